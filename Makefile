@@ -1,0 +1,80 @@
+# The only orchestration layer: one target per stage; README commands are these targets.
+#   make demo                               the whole pipeline on the tiny profile (CPU, minutes)
+#   make test                               the default test run (CI runs exactly this)
+#   make hero-run CONFIG=configs/kimi-k2.5.yaml
+# Every target installs what it needs into .venv first.
+
+SHELL := /bin/bash
+CONFIG ?= configs/tiny.yaml
+ARGS ?=
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PYTHONPATH := $(CURDIR)
+export PYTHONUNBUFFERED := 1
+
+STAGE = $(PY) -m
+
+.PHONY: venv demo hero-run verifier generate extract train eval card test test-all test-unit quality format clean
+
+venv: $(STAMP)
+
+# CPU torch first (a bare `torch` would pull a multi-GB CUDA build), then the exact lock with
+# --no-deps so that nothing outside it (e.g. CUDA torchvision) sneaks in.
+$(STAMP): requirements/cpu.lock pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/cpu.lock
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import torch, transformers, vllm, speculators; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $@
+
+demo: $(STAMP)
+	$(MAKE) hero-run CONFIG=configs/tiny.yaml
+
+hero-run: $(STAMP)
+	$(MAKE) verifier CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) generate CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) extract CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) train CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) eval CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) card CONFIG=$(CONFIG) ARGS='$(ARGS)'
+
+verifier: $(STAMP)
+	$(STAGE) pipeline.build_verifier --config $(CONFIG) $(ARGS)
+
+generate: $(STAMP)
+	$(STAGE) pipeline.generate --config $(CONFIG) $(ARGS)
+
+extract: $(STAMP)
+	$(STAGE) pipeline.extract --config $(CONFIG) $(ARGS)
+
+train: $(STAMP)
+	$(STAGE) pipeline.train --config $(CONFIG) $(ARGS)
+
+eval: $(STAMP)
+	$(STAGE) eval.measure_acceptance --config $(CONFIG) $(ARGS)
+
+card: $(STAMP)
+	$(STAGE) model_card.render --config $(CONFIG) $(ARGS)
+
+# Default tier: unit tests plus one true end-to-end tiny run (real vLLM, real training).
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -m unit $(ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+quality: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The drafter release pipeline: verifier -> generate -> extract -> train (eval, card elsewhere)."""

@@ -1,0 +1,37 @@
+"""Command-line plumbing shared by every stage: parse, load the profile, run, report.
+
+Deliberately limited to argument parsing and error reporting; stage logic lives in the stage
+modules. Every stage is run as ``python -m <module> --config PROFILE [section.field=value ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.config import Profile, load_profile
+from pipeline.errors import PipelineError
+
+
+def parse(stage: str, argv: list[str] | None) -> tuple[Profile, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog=f"stage {stage}")
+    parser.add_argument("--config", required=True, help="profile YAML, e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    args = parser.parse_args(argv)
+    return load_profile(args.config, args.overrides), args
+
+
+def run_stage(stage: str, fn: Callable[[Profile], dict[str, Any]], argv: list[str] | None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        profile, _ = parse(stage, argv)
+        manifest = fn(profile)
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    summary = {k: manifest.get(k) for k in ("stage", "counts", "wall_time_s", "bytes")}
+    print(json.dumps(summary))

@@ -1,0 +1,258 @@
+"""The one typed configuration schema for every stage of the drafter release pipeline.
+
+A profile is a YAML file (``configs/*.yaml``) validated against :class:`Profile`. Every model
+is strict (``extra="forbid"``): an unknown or misspelled field is an error that names it, and a
+field with a closed set of values lists the allowed ones. Overrides (``section.field=value``)
+re-validate through the same schema, so there is no second source of truth for any flag.
+
+Invariants checked here, before any stage runs:
+- the verifier is either built by the project (``verifier.build``) or named (``verifier.model``);
+- capture layer ids are distinct, ascending and inside the verifier's layer count;
+- servers the pipeline starts bind to a loopback address only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.errors import PipelineError
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    # The run folder is output_dir/name; each stage writes only its own subfolder.
+    output_dir: Path
+    seed: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.name
+
+
+class TinyVerifierBuild(StrictModel):
+    """A small Llama the project builds itself: BPE tokenizer + short causal-LM training."""
+
+    corpus: Path  # open-perfectblend-schema JSONL whose text the tokenizer and model learn
+    vocab_size: PositiveInt = 2048
+    intermediate_size: PositiveInt = 384
+    num_attention_heads: PositiveInt = 4
+    max_position_embeddings: PositiveInt = 1024
+    train_steps: PositiveInt = 600
+    batch_size: PositiveInt = 16
+    seq_len: PositiveInt = 256
+    learning_rate: float = Field(default=3e-3, gt=0)
+
+
+class VerifierConfig(StrictModel):
+    # A Hub id or a local folder; None when the project builds the verifier (``build``).
+    model: str | None = None
+    revision: str | None = None
+    build: TinyVerifierBuild | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    hidden_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    # EAGLE-3 auxiliary capture layers (low, middle, high); the pipeline passes these same ids
+    # to extraction, training and the drafter config.
+    capture_layer_ids: list[int] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> VerifierConfig:
+        if (self.model is None) == (self.build is None):
+            raise ValueError("set exactly one of verifier.model (Hub id or path) or verifier.build")
+        ids = self.capture_layer_ids
+        if sorted(set(ids)) != ids:
+            raise ValueError(f"capture_layer_ids must be distinct and ascending, got {ids}")
+        if ids[0] < 0 or ids[-1] >= self.num_hidden_layers:
+            raise ValueError(
+                f"capture_layer_ids {ids} must lie in [0, {self.num_hidden_layers - 1}] "
+                f"for a verifier with num_hidden_layers={self.num_hidden_layers}"
+            )
+        if self.build is not None and self.hidden_size % self.build.num_attention_heads:
+            raise ValueError("verifier.hidden_size must be divisible by build.num_attention_heads")
+        return self
+
+
+class ServerConfig(StrictModel):
+    """How the pipeline reaches vLLM: a server it starts on loopback, or one at base_url."""
+
+    # When set, stages talk to this OpenAI-compatible server and start none themselves.
+    base_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
+    tensor_parallel_size: PositiveInt = 1
+    max_model_len: PositiveInt = 4096
+    max_num_seqs: PositiveInt | None = None
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    enforce_eager: bool = False
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # VLLM_CPU_KVCACHE_SPACE in GiB; only read by the CPU build of vLLM.
+    cpu_kv_cache_gib: PositiveInt | None = None
+    reasoning_parser: str | None = None
+    startup_timeout_s: float = Field(default=900, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _loopback_only(self) -> ServerConfig:
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        if not loopback:
+            raise ValueError(
+                f"server.host={self.host!r}: servers the pipeline starts bind to loopback only "
+                "(127.0.0.1); to use a server elsewhere set server.base_url instead"
+            )
+        return self
+
+
+class DataConfig(StrictModel):
+    # A local file/folder (JSONL, JSON or parquet) or a Hub dataset id pinned by revision.
+    dataset: str
+    revision: str | None = None
+    split: str = "train"
+    max_samples: PositiveInt | None = None
+    # Held-out prompts for eval, same schema and loader.
+    eval_dataset: str
+    eval_revision: str | None = None
+    eval_split: str = "train"
+    eval_max_samples: PositiveInt | None = None
+
+
+class GenerateConfig(StrictModel):
+    concurrency: PositiveInt = 64
+    max_tokens: PositiveInt = 1024
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    request_timeout_s: float = Field(default=600, gt=0)
+    max_retries: int = Field(default=5, ge=0)
+    # Passed as chat_template_kwargs, e.g. {"thinking": true} for reasoning verifiers.
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class ExtractConfig(StrictModel):
+    max_seq_len: PositiveInt = 4096
+    concurrency: PositiveInt = 8
+    # Space that must stay free on the output volume; extraction stops before crossing it.
+    disk_reserve_gib: float = Field(default=1.0, ge=0)
+
+
+class TrainConfig(StrictModel):
+    epochs: PositiveInt = 5
+    learning_rate: float = Field(default=1e-4, gt=0)
+    # Tokens per packed training sequence.
+    total_seq_len: PositiveInt = 8192
+    draft_vocab_size: PositiveInt = 32000
+    num_layers: PositiveInt = 1
+    num_devices: PositiveInt = 1
+    save_best: bool = True
+    log_every: PositiveInt = 10
+    # Kernels: flex attention and the fused loss need a GPU; sdpa/eager run anywhere.
+    draft_attn_impl: Literal["simple_flex_attention", "sdpa", "eager"] = "simple_flex_attention"
+    loss_implementation: Literal["fused", "eager"] = "fused"
+    num_workers: int = Field(default=4, ge=0)
+    # Fraction of extracted samples trained on; the rest is speculators' validation split.
+    train_data_ratio: float = Field(default=0.95, gt=0, le=1)
+    # Start from an existing speculators drafter (Hub id or path) instead of random init.
+    from_pretrained: str | None = None
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class EvalConfig(StrictModel):
+    num_speculative_tokens: PositiveInt = 3
+    max_tokens: PositiveInt = 256
+    concurrency: PositiveInt = 1
+
+
+class Profile(StrictModel):
+    run: RunConfig
+    verifier: VerifierConfig
+    server: ServerConfig = ServerConfig()
+    data: DataConfig
+    generate: GenerateConfig = GenerateConfig()
+    extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> Profile:
+        if self.extract.max_seq_len > self.server.max_model_len:
+            raise ValueError(
+                f"extract.max_seq_len={self.extract.max_seq_len} exceeds "
+                f"server.max_model_len={self.server.max_model_len}"
+            )
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class ConfigError(PipelineError, ValueError):
+    """A profile that does not validate; the message names the file, the field and the fix."""
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid profile ({err.error_count()} error(s))"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that rejects a key given twice (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: key {key!r} is given twice; keep one"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Profile:
+    """Load a YAML profile, apply ``section.field=value`` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"profile {path} does not exist; profiles live in configs/*.yaml")
+    try:
+        tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a profile is a YAML mapping of sections")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return Profile.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(str(path), err)) from None

@@ -1,0 +1,115 @@
+"""A vLLM KV connector that saves EAGLE-3 hidden states on CPU-only vLLM builds.
+
+vLLM's ``extract_hidden_states`` speculative method stacks the verifier's hidden states at the
+requested layer ids into a cache-only attention layer; a KV connector then writes them out per
+request. The stock ``ExampleHiddenStatesConnector`` copies device->host with CUDA streams,
+events and pinned memory, which the CPU build does not have (``pin_memory=True`` raises on the
+first request). On CPU the cache already lives in host memory, so the copy is a plain gather.
+
+This subclass keeps the stock scheduler side (file naming, lock files, delayed block freeing,
+``kv_transfer_params``) and replaces only the worker-side save path. The output is the stock
+format that speculators reads: ``<shared_storage_path>/<req_id>.safetensors`` with
+``hidden_states`` [num_tokens, num_layer_ids, hidden_size] (model dtype) and ``token_ids``
+[num_tokens] int64, plus a ``.lock`` held (flock LOCK_EX) until the file is complete.
+
+Loaded by vLLM through ``--kv-transfer-config`` with ``kv_connector_module_path`` set to this
+module (the repository root must be on PYTHONPATH of the server process). It relies on the
+stock connector's internals listed in ``STOCK_ATTRIBUTES``; tests check they still exist, so a
+vLLM upgrade that renames them fails loudly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from concurrent.futures import Future
+from functools import partial
+
+import torch
+from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+# Stock-connector attributes this class reads or calls (set in its __init__/register_kv_caches).
+STOCK_ATTRIBUTES = (
+    "_kv_cache",
+    "_block_size",
+    "_lock_fds",
+    "use_lock",
+    "_executor",
+    "_req_futures",
+    "_on_write_done",
+    "_is_tp_rank_zero",
+    "_accumulated_finished_req_ids",
+)
+
+
+def _write_and_unlock(tensors: dict[str, torch.Tensor], path: str, lock_fd: int | None) -> None:
+    """Thread-pool job: write the file, then release the writer's exclusive flock."""
+    try:
+        save_file(tensors, path)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """``ExampleHiddenStatesConnector`` with a host-memory save path."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        # Worker side: requests whose rows were copied out of the cache but not yet reported.
+        self._copied_req_ids: set[str] = set()
+
+    def _save_request(self, pending: PendingSave) -> None:
+        """Gather one finished request's rows out of the cache and queue the file write.
+
+        Advanced indexing makes an independent copy, so the request's cache blocks may be
+        freed as soon as this returns.
+        """
+        assert self._kv_cache is not None, "register_kv_caches was not called"
+        bs = self._block_size
+        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        slots = (block_ids[:, None] * bs + torch.arange(bs, dtype=torch.long)).flatten()
+        hidden_states = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
+        tensors = {
+            "hidden_states": hidden_states.contiguous(),
+            "token_ids": pending.token_ids.clone(),
+        }
+        os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)  # normally made by wait_for_save
+        if lock_fd is None and self.use_lock:
+            flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
+            lock_fd = os.open(pending.filename + ".lock", flags, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        future: Future = self._executor.submit(
+            _write_and_unlock, tensors, pending.filename, lock_fd
+        )
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        copied = self._copied_req_ids
+        if self._is_tp_rank_zero and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
+                for pending in meta.pending_saves:
+                    self._save_request(pending)
+                    copied.add(pending.req_id)
+        # A request is done sending (its blocks may be freed) once its rows are copied out;
+        # clients wait on the per-file flock for the disk write itself.
+        self._accumulated_finished_req_ids.update(finished_req_ids)
+        done = copied & self._accumulated_finished_req_ids
+        copied -= done
+        self._accumulated_finished_req_ids -= done
+        # A finished request still holding its pre-made lock fd has a save on the way; keep
+        # it. Any other finished request had no save: forget it.
+        self._accumulated_finished_req_ids &= set(self._lock_fds)
+        return done or None, None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)

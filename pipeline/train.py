@@ -1,0 +1,180 @@
+"""Stage `train`: train the EAGLE-3 drafter with speculators on the extracted hidden states.
+
+Run as: python -m pipeline.train --config configs/tiny.yaml
+
+Reads `extract` (prepared data, hidden states, token frequencies, linked from ``train/data``,
+where speculators also writes the draft-vocabulary maps) and `verifier`; writes
+``<run>/train/checkpoints/<epoch>/`` in speculators format (config.json + model.safetensors,
+loadable by vLLM as ``method: eagle3``), the trainer's log, and a manifest naming the drafter
+checkpoint and the verifier, capture layers and chat template it was trained against.
+
+One device by default (``python -m pipeline.speculators_train``); ``train.num_devices > 1``
+launches the same entry point through torchrun. speculators resumes from the newest checkpoint
+in the save path, so a rerun after a crash continues instead of starting over.
+
+Invariants: the trainer receives exactly the capture layer ids extraction used (without the
+last layer, which speculators appends itself); the draft vocabulary comes from the token
+frequencies of the supervised (assistant) tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.build_verifier import resolved_verifier
+from pipeline.config import Profile
+from pipeline.errors import PipelineError
+from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
+
+log = logging.getLogger(__name__)
+ENTRY = "pipeline.speculators_train"
+
+
+class TrainError(PipelineError):
+    """Training failed; the message points at the trainer log."""
+
+
+def launcher(num_devices: int) -> list[str]:
+    if num_devices == 1:
+        return [sys.executable, "-m", ENTRY]
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nproc_per_node", str(num_devices),
+        "-m", ENTRY,
+    ]  # fmt: skip
+
+
+def train_command(profile: Profile, verifier: str, prepared: Path, save: Path) -> list[str]:
+    t, v = profile.train, profile.verifier
+    hidden_dtype = "float32" if v.dtype == "float32" else "bfloat16"
+    cmd = [
+        *launcher(t.num_devices),
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", verifier,
+        "--data-path", str(prepared),
+        "--target-layer-ids", *map(str, v.capture_layer_ids),
+        "--token-freq-path", str(prepared / "token_freq.pt"),
+        "--draft-vocab-size", str(t.draft_vocab_size),
+        "--num-layers", str(t.num_layers),
+        "--epochs", str(t.epochs),
+        "--lr", str(t.learning_rate),
+        "--total-seq-len", str(t.total_seq_len),
+        "--train-data-ratio", str(t.train_data_ratio),
+        "--hidden-states-dtype", hidden_dtype,
+        "--draft-attn-impl", t.draft_attn_impl,
+        "--loss-implementation", t.loss_implementation,
+        "--num-workers", str(t.num_workers),
+        "--on-missing", "raise",
+        "--seed", str(profile.run.seed),
+        "--log-freq", str(t.log_every),
+        "--save-path", str(save),
+        "--log-dir", str(save.parent / "logs"),
+    ]  # fmt: skip
+    if v.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if t.save_best:
+        cmd.append("--save-best")
+    if t.from_pretrained:
+        cmd += ["--from-pretrained", t.from_pretrained]
+    return [*cmd, *t.extra_args]
+
+
+def data_view(prepared: Path, view: Path) -> Path:
+    """A folder of links to extract's data, so the vocab maps speculators writes land here."""
+    view.mkdir(parents=True, exist_ok=True)
+    for item in prepared.iterdir():
+        if item.name.startswith(("d2t-", "t2d-")):
+            continue
+        link = view / item.name
+        if not link.is_symlink():
+            link.symlink_to(item.resolve())
+    return view
+
+
+def final_checkpoint(save: Path) -> Path:
+    """The checkpoint to ship: speculators' best (if kept), else the newest epoch."""
+    best = save / "checkpoint_best"  # a symlink speculators keeps with --save-best
+    if (best / "config.json").exists():
+        return best.resolve()
+    epochs = sorted((p for p in save.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    if not epochs:
+        raise TrainError(f"training wrote no checkpoint under {save}")
+    return epochs[-1]
+
+
+def run(profile: Profile) -> dict[str, Any]:
+    started = now()
+    verifier = resolved_verifier(profile)
+    extract = read_manifest(profile, "extract")
+    folder = stage_dir(profile, "train")
+    folder.mkdir(parents=True, exist_ok=True)
+    prepared = data_view(
+        stage_dir(profile, "extract") / extract["outputs"]["prepared"], folder / "data"
+    )
+    save = folder / "checkpoints"
+    cmd = train_command(profile, verifier["model"], prepared, save)
+    log_path = folder / "train.log"
+    log.info("training: %s (log %s)", " ".join(cmd), log_path)
+    with open(log_path, "ab") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode
+    if code:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise TrainError(f"speculators training failed ({code}); log {log_path}:\n{tail}")
+    drafter = final_checkpoint(save)
+    config = json.loads((drafter / "config.json").read_text())
+    if config["eagle_aux_hidden_state_layer_ids"] != profile.verifier.capture_layer_ids:
+        raise TrainError(
+            f"the drafter records capture layers {config['eagle_aux_hidden_state_layer_ids']} "
+            f"but the profile extracted {profile.verifier.capture_layer_ids}"
+        )
+    state_path, metrics_path = drafter / "training_state.json", drafter / "val_metrics.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    outputs = {
+        "drafter": str(drafter),
+        "checkpoint": drafter.name,
+        "global_steps": state.get("global_step"),
+        "val_metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else None,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "device": "cpu" if _no_accelerator() else "accelerator",
+        "command": cmd,
+        "verifier": {
+            "model": verifier["model"],
+            "capture_layer_ids": profile.verifier.capture_layer_ids,
+            "chat_template_sha256": verifier["chat_template_sha256"],
+        },
+    }
+    return write_manifest(
+        profile,
+        "train",
+        started_at=started,
+        counts={
+            "input": extract["outputs"]["rows"],
+            "succeeded": extract["outputs"]["rows"],
+            "skipped": 0,
+            "failed": 0,
+        },
+        outputs=outputs,
+        inputs=("verifier", "extract"),
+        data_revision=extract["data_revision"],
+    )
+
+
+def _no_accelerator() -> bool:
+    import torch
+
+    return not torch.accelerator.is_available()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pipeline.cli import run_stage
+
+    run_stage("train", run, argv)
+
+
+if __name__ == "__main__":
+    main()

