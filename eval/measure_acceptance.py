@@ -5,9 +5,10 @@ Run as: python -m eval.measure_acceptance --config configs/tiny.yaml
 Reads the `verifier` and `train` stages and the held-out prompts (``data.eval_dataset``).
 Serves the verifier twice on the same flags, without speculation and with the drafter
 (``method: eagle3``, ``k = eval.num_speculative_tokens``), sends the same greedy requests to
-each, and writes ``<run>/eval/results.json``: acceptance rate, mean acceptance length and
-per-position acceptance from ``/metrics`` counter deltas, time per output token and speedup
-against the paired run, and whether the greedy outputs are identical.
+each, and writes ``<run>/eval/results.json`` (with ``results.md`` and a plot): acceptance
+rate, mean acceptance length and per-position acceptance from ``/metrics`` counter deltas,
+time per output token and speedup against the paired run, and whether the greedy outputs are
+identical.
 
 Invariants: the verifier and capture-layer ids the drafter was trained with are those served;
 a run with no accepted token (acceptance length exactly 1.0) is an error, not a result.
@@ -28,7 +29,14 @@ from pipeline.build_verifier import resolved_verifier
 from pipeline.chat_client import chat_completion
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
-from pipeline.manifest import atomic_write_json, now, read_manifest, stage_dir, write_manifest
+from pipeline.manifest import (
+    atomic_write_bytes,
+    atomic_write_json,
+    now,
+    read_manifest,
+    stage_dir,
+    write_manifest,
+)
 from pipeline.progress import progress
 from pipeline.prompts import PromptRow, data_revision, load_prompts
 from pipeline.vllm_server import Endpoint, vllm_server
@@ -147,6 +155,48 @@ def check_acceptance(result: dict[str, Any]) -> None:
         )
 
 
+def plot_per_position(summary: dict[str, Any], path: Path) -> dict[str, str]:
+    """A bar chart of per-position acceptance (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = summary["per_position_acceptance"]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    ax.bar([str(i + 1) for i in range(len(rates))], rates, color="#3b6ea8")
+    for i, r in enumerate(rates):
+        ax.text(i, r + 0.01, f"{r:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafts")
+    ax.set_title(
+        f"EAGLE-3 per-position acceptance (k={summary['num_speculative_tokens']}, "
+        f"mean length {summary['mean_acceptance_length']:.2f})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return {"file": path.name, "title": "Per-position acceptance"}
+
+
+def results_table(summary: dict[str, Any]) -> str:
+    rows = [
+        ("draft tokens per step (k)", summary["num_speculative_tokens"]),
+        ("acceptance rate", f"{summary['acceptance_rate']:.3f}"),
+        ("mean acceptance length", f"{summary['mean_acceptance_length']:.3f}"),
+        *(
+            (f"acceptance at position {i + 1}", f"{r:.3f}")
+            for i, r in enumerate(summary["per_position_acceptance"])
+        ),
+    ]
+    if "speedup" in summary:
+        rows.append(("speedup (time per output token)", f"{summary['speedup']:.2f}x"))
+        rows.append(("greedy outputs identical", summary["greedy_outputs_identical"]))
+    return "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+
+
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
     folder = stage_dir(profile, "eval")
@@ -174,8 +224,10 @@ def run(profile: Profile) -> dict[str, Any]:
         ]
         summary["greedy_outputs_identical"] = not mismatched
         summary["mismatched_prompt_ids"] = mismatched
-    results = {"drafter": train["drafter"], "summary": summary, "runs": runs}
+    plots = [plot_per_position(summary, folder / "acceptance_per_position.png")]
+    results = {"drafter": train["drafter"], "summary": summary, "plots": plots, "runs": runs}
     atomic_write_json(folder / "results.json", results)
+    atomic_write_bytes(folder / "results.md", results_table(summary).encode())
     log.info(
         "eval: acceptance rate %.3f (k=%d), mean acceptance length %.3f, speedup %s",
         summary["acceptance_rate"],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import random
 import shutil
@@ -27,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Profile, TinyVerifierBuild
-from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
+from pipeline.manifest import StageInputError, now, read_manifest, stage_dir, write_manifest
 from pipeline.progress import progress
 from pipeline.prompts import data_revision, load_prompts
 
+log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<|pad|>", "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 # The assistant span is wrapped in {% generation %} so that transformers (and speculators'
@@ -230,12 +232,32 @@ def _check_local_config(profile: Profile, folder: Path) -> None:
             )
 
 
+def _previous_build(profile: Profile) -> dict[str, Any] | None:
+    """The finished manifest of a build from the same recipe, seed and corpus, if any."""
+    if profile.verifier.build is None:
+        return None
+    try:
+        m = read_manifest(profile, "verifier")
+    except StageInputError:
+        return None
+    same = (
+        m["config"]["verifier"] == profile.dump()["verifier"]
+        and m["config"]["run"]["seed"] == profile.run.seed
+        and m["outputs"]["corpus"] == data_revision(str(profile.verifier.build.corpus), None)
+    )
+    return m if same and (Path(verifier_path(profile)) / "config.json").exists() else None
+
+
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
     folder = stage_dir(profile, "verifier")
     folder.mkdir(parents=True, exist_ok=True)
     path = verifier_path(profile)
     extra: dict[str, Any] = {}
+    previous = _previous_build(profile)
+    if previous is not None:
+        log.info("verifier: %s was built from this exact recipe; reusing it", path)
+        return previous
     if profile.verifier.build is not None:
         extra = build_tiny_verifier(profile, Path(path))
     elif Path(path).is_dir():

@@ -27,6 +27,7 @@ def parse(stage: str, argv: list[str] | None) -> tuple[Profile, argparse.Namespa
 
 def run_stage(stage: str, fn: Callable[[Profile], dict[str, Any]], argv: list[str] | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         profile, _ = parse(stage, argv)
         manifest = fn(profile)
