@@ -30,7 +30,9 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(MAKE) hero-run CONFIG=configs/tiny.yaml
+	$(MAKE) hero-run CONFIG=configs/tiny.yaml ARGS='$(ARGS)'
+	@echo; echo "Acceptance of the tiny drafter in vLLM (runs/tiny/eval/results.md):"
+	@cat runs/tiny/eval/results.md
 
 hero-run: $(STAMP)
 	$(MAKE) verifier CONFIG=$(CONFIG) ARGS='$(ARGS)'

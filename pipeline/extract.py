@@ -26,9 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-import logging
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,10 +36,10 @@ from safetensors import safe_open
 from pipeline.build_verifier import resolved_verifier
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
+from pipeline.logged_process import run_logged
 from pipeline.manifest import atomic_write_bytes, now, read_manifest, stage_dir, write_manifest
 from pipeline.vllm_server import vllm_server
 
-log = logging.getLogger(__name__)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "pipeline.cpu_hidden_states_connector")
@@ -97,14 +95,7 @@ def write_conversations(generate_dir: Path, responses: str, out: Path) -> int:
 
 def speculators_cli(*args: str, log_path: Path) -> None:
     cmd = [sys.executable, "-m", "speculators", *args]
-    log.info("running: %s", " ".join(cmd))
-    with open(log_path, "ab") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise ExtractError(
-            f"speculators {args[0]} failed with status {proc.returncode}; log {log_path}:\n{tail}"
-        )
+    run_logged(cmd, log_path, ExtractError, f"speculators {args[0]}")
 
 
 def prepared_stats(prepared: Path) -> dict[str, int]:

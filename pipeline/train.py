@@ -20,8 +20,6 @@ frequencies of the supervised (assistant) tokens.
 from __future__ import annotations
 
 import json
-import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,9 +27,9 @@ from typing import Any
 from pipeline.build_verifier import resolved_verifier
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
+from pipeline.logged_process import run_logged
 from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
 
-log = logging.getLogger(__name__)
 ENTRY = "pipeline.speculators_train"
 
 
@@ -118,13 +116,7 @@ def run(profile: Profile) -> dict[str, Any]:
     )
     save = folder / "checkpoints"
     cmd = train_command(profile, verifier["model"], prepared, save)
-    log_path = folder / "train.log"
-    log.info("training: %s (log %s)", " ".join(cmd), log_path)
-    with open(log_path, "ab") as fh:
-        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode
-    if code:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise TrainError(f"speculators training failed ({code}); log {log_path}:\n{tail}")
+    run_logged(cmd, folder / "train.log", TrainError, "speculators training")
     drafter = final_checkpoint(save)
     config = json.loads((drafter / "config.json").read_text())
     if config["eagle_aux_hidden_state_layer_ids"] != profile.verifier.capture_layer_ids:

@@ -32,6 +32,7 @@ import httpx
 
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
+from pipeline.logged_process import log_tail
 from pipeline.manifest import REPO_ROOT
 from pipeline.progress import progress
 
@@ -121,13 +122,6 @@ def server_env(profile: Profile) -> dict[str, str]:
     return env
 
 
-def _log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
-
-
 def served_model(base_url: str, timeout: float = 10) -> str:
     resp = httpx.get(f"{base_url}/v1/models", timeout=timeout)
     resp.raise_for_status()
@@ -147,7 +141,7 @@ def wait_until_healthy(
     try:
         while True:
             if proc is not None and proc.poll() is not None:
-                tail = _log_tail(log_path) if log_path else ""
+                tail = log_tail(log_path) if log_path else ""
                 raise ServerError(
                     f"vLLM exited with status {proc.returncode} while loading; "
                     f"log {log_path}:\n{tail}"
@@ -159,7 +153,7 @@ def wait_until_healthy(
                 raise ServerError(
                     f"vLLM at {base_url} was not healthy after {timeout_s:.0f}s; raise "
                     "server.startup_timeout_s if the model is still loading"
-                    + (f"; log {log_path}:\n{_log_tail(log_path)}" if log_path else "")
+                    + (f"; log {log_path}:\n{log_tail(log_path)}" if log_path else "")
                 )
             time.sleep(1)
             bar.n = int(time.monotonic() - started)

@@ -1,0 +1,32 @@
+"""Run a tool as a subprocess with its output in a log file; on failure, quote the log's tail.
+
+Stages call external tools (speculators' CLIs, the trainer) this way so that a long run keeps
+the whole output on disk while an error message stays short and points at the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def run_logged(cmd: list[str], log_path: Path, error: type[PipelineError], what: str) -> None:
+    """Run ``cmd`` appending its output to ``log_path``; raise ``error`` if it fails."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("%s: %s (log %s)", what, " ".join(cmd), log_path)
+    with open(log_path, "ab") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode
+    if code:
+        raise error(f"{what} failed with status {code}; log {log_path}:\n{log_tail(log_path)}")
