@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo hero-run verifier generate extract train eval card test test-all test-unit quality format clean
+.PHONY: venv demo hero-run plan verifier generate extract train eval card test test-all test-unit quality format clean
 
 venv: $(STAMP)
 
@@ -35,12 +35,16 @@ demo: $(STAMP)
 	@cat runs/tiny/eval/results.md
 
 hero-run: $(STAMP)
+	$(STAGE) pipeline.plan --check --config $(CONFIG) $(ARGS)
 	$(MAKE) verifier CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) generate CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) extract CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) train CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) eval CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) card CONFIG=$(CONFIG) ARGS='$(ARGS)'
+
+plan: $(STAMP)
+	$(STAGE) pipeline.plan --config $(CONFIG) $(ARGS)
 
 verifier: $(STAMP)
 	$(STAGE) pipeline.build_verifier --config $(CONFIG) $(ARGS)

@@ -175,6 +175,30 @@ class EvalConfig(StrictModel):
     concurrency: PositiveInt = 1
 
 
+class MachineProfile(StrictModel):
+    """A machine the planner prices: its rates for each phase, and its hourly cost."""
+
+    name: str
+    generate_tokens_per_s: float = Field(gt=0)  # generated tokens/s at generate.concurrency
+    extract_tokens_per_s: float = Field(gt=0)  # tokens/s through the verifier's forward pass
+    train_steps_per_s: float = Field(gt=0)  # drafter optimizer steps/s at train.num_devices
+    hourly_usd: float | None = Field(default=None, ge=0)
+
+
+class PlanConfig(StrictModel):
+    """The planner's assumptions; a pilot run's manifests replace the measurable ones."""
+
+    tokens_per_sample: PositiveInt = 1024  # prompt + response, all turns
+    completion_tokens_per_sample: PositiveInt = 512
+    train_tokens_per_step: PositiveInt = 4096
+    # Free space to plan against; None measures the volume that holds run.output_dir.
+    target_volume_free_tb: float | None = Field(default=None, ge=0)
+    link_gbps: float = Field(default=5, gt=0)  # to a rental machine
+    link_efficiency: float = Field(default=0.7, gt=0, le=1)
+    # The first machine is the one this profile runs on; measured rates apply to it.
+    machines: list[MachineProfile] = Field(min_length=1)
+
+
 class Profile(StrictModel):
     run: RunConfig
     verifier: VerifierConfig
@@ -184,6 +208,7 @@ class Profile(StrictModel):
     extract: ExtractConfig = ExtractConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    plan: PlanConfig
 
     @model_validator(mode="after")
     def _check(self) -> Profile:

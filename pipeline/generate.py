@@ -4,8 +4,8 @@ Run as: python -m pipeline.generate --config configs/tiny.yaml
 
 Reads the prompt set (``data.dataset``) and the `verifier` stage; writes
 ``<run>/generate/responses.jsonl`` (one record per prompt id, open-perfectblend schema, each
-regenerated ``gpt`` turn carrying the verifier's ``reasoning`` when it emitted any) and
-``manifest.json``.
+regenerated ``gpt`` turn carrying the verifier's ``reasoning_content`` when it emitted any, the
+field speculators' preprocessing reads) and ``manifest.json``.
 
 Invariants:
 - turns are regenerated in order: turn k is answered given the verifier's own turns < k;
@@ -30,6 +30,7 @@ import httpx
 from pipeline.build_verifier import resolved_verifier
 from pipeline.chat_client import chat_completion
 from pipeline.config import Profile
+from pipeline.errors import PipelineError
 from pipeline.manifest import now, stage_dir, write_manifest
 from pipeline.progress import progress
 from pipeline.prompts import PromptRow, data_revision, load_prompts
@@ -213,8 +214,6 @@ def run(profile: Profile) -> dict[str, Any]:
         data_revision=data_revision(d.dataset, d.revision),
     )
     if counts["failed"]:
-        from pipeline.errors import PipelineError
-
         raise PipelineError(
             f"generate: {counts['failed']} of {counts['input']} prompts failed after retries "
             f"(see {folder / 'vllm.log'}); finished work is kept, rerun `make generate` to retry"

@@ -1,0 +1,281 @@
+"""`make plan`: will this run fit, how long will each phase take, and what will it cost?
+
+Run as: python -m pipeline.plan --config configs/kimi-k2.5.yaml [--check]
+
+Plans in tokens, not samples: reasoning responses vary from hundreds to thousands of tokens,
+so every figure derives from tokens per sample. Inputs come from the profile (verifier
+dimensions, captured layers, dtype, sample count, max sequence length, ``plan`` section with
+the expected tokens per sample and the machine profiles). Where a pilot or partial run of the
+same profile has finished stages, their manifests replace the guesses: measured tokens per
+sample and measured rates. Each figure says whether it was measured or assumed.
+
+With ``--check`` (what ``make hero-run`` runs first) a run whose hidden states would not fit on
+the target volume is refused before anything starts, with the remedies and their figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import MachineProfile, Profile, load_profile
+from pipeline.errors import PipelineError
+from pipeline.manifest import STAGES, StageInputError, read_manifest
+from pipeline.prompts import load_rows, resolve_local
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TB = 10**12
+
+
+class PlanError(PipelineError):
+    """The run as configured cannot complete; the message lists the remedies."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    source: str  # "measured (<where>)" or "assumed (profile plan.<field>)"
+
+
+def bytes_per_token(profile: Profile, dtype_bytes: int | None = None) -> int:
+    layers = len(profile.verifier.capture_layer_ids) + 1  # + the last layer, pre-final-norm
+    width = dtype_bytes or DTYPE_BYTES[profile.verifier.dtype]
+    return layers * profile.verifier.hidden_size * width
+
+
+def free_bytes(path: Path) -> tuple[Path, int]:
+    """Free space on the volume that holds ``path`` (its nearest existing parent)."""
+    probe = path.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    return probe, shutil.disk_usage(probe).free
+
+
+def _manifest(profile: Profile, stage: str) -> dict[str, Any] | None:
+    try:
+        return read_manifest(profile, stage)
+    except StageInputError:
+        return None
+
+
+def measured_or_assumed(profile: Profile) -> dict[str, Figure]:
+    """Tokens per sample and local rates: from finished stages where they exist."""
+    p = profile.plan
+    figures = {
+        "tokens_per_sample": Figure(p.tokens_per_sample, "assumed (plan.tokens_per_sample)"),
+        "completion_tokens_per_sample": Figure(
+            p.completion_tokens_per_sample, "assumed (plan.completion_tokens_per_sample)"
+        ),
+    }
+    gen, ext = _manifest(profile, "generate"), _manifest(profile, "extract")
+    if gen and gen["counts"]["succeeded"]:
+        n = gen["counts"]["succeeded"]
+        figures["completion_tokens_per_sample"] = Figure(
+            gen["counts"]["completion_tokens"] / n, f"measured (generate, {n} samples)"
+        )
+        figures["generate_tokens_per_s"] = Figure(
+            gen["counts"]["completion_tokens"] / gen["wall_time_s"], "measured (generate)"
+        )
+    if ext and ext["outputs"]["rows"]:
+        out = ext["outputs"]
+        conversations = ext["counts"]["succeeded"]
+        figures["tokens_per_sample"] = Figure(
+            out["tokens"] / conversations, f"measured (extract, {conversations} samples)"
+        )
+        figures["extract_tokens_per_s"] = Figure(
+            out["tokens"] / ext["wall_time_s"], "measured (extract)"
+        )
+    return figures
+
+
+def planned_samples(profile: Profile) -> int:
+    """data.max_samples, or the row count of a local prompt set."""
+    d = profile.data
+    if d.max_samples is not None:
+        return d.max_samples
+    if resolve_local(d.dataset) is None:
+        raise PlanError(f"set data.max_samples: the planner does not download {d.dataset!r}")
+    return len(load_rows(d.dataset, d.revision, d.split))
+
+
+def phase_hours(profile: Profile, machine: MachineProfile, figures: dict[str, Figure]):
+    """Hours per phase on ``machine``; local measured rates override the first machine's."""
+    samples = planned_samples(profile)
+    tokens = samples * min(figures["tokens_per_sample"].value, profile.extract.max_seq_len)
+    completion = samples * figures["completion_tokens_per_sample"].value
+    is_local = machine.name == profile.plan.machines[0].name
+    gen_rate = machine.generate_tokens_per_s
+    ext_rate = machine.extract_tokens_per_s
+    if is_local and "generate_tokens_per_s" in figures:
+        gen_rate = figures["generate_tokens_per_s"].value
+    if is_local and "extract_tokens_per_s" in figures:
+        ext_rate = figures["extract_tokens_per_s"].value
+    steps = tokens * profile.train.epochs / profile.plan.train_tokens_per_step
+    return {
+        "inference": completion / gen_rate / 3600,
+        "extraction": tokens / ext_rate / 3600,
+        "training": steps / machine.train_steps_per_s / 3600,
+    }
+
+
+def build_plan(profile: Profile) -> dict[str, Any]:
+    figures = measured_or_assumed(profile)
+    samples = planned_samples(profile)
+    per_sample = min(figures["tokens_per_sample"].value, profile.extract.max_seq_len)
+    tokens = samples * per_sample
+    bpt = bytes_per_token(profile)
+    hidden = tokens * bpt
+    volume, free = free_bytes(profile.run.output_dir)
+    volume_name = f"{volume} (measured)"
+    if profile.plan.target_volume_free_tb is not None:
+        free = int(profile.plan.target_volume_free_tb * TB)
+        volume_name = f"{profile.run.output_dir} (assumed, plan.target_volume_free_tb)"
+    reserve = int(profile.extract.disk_reserve_gib * 2**30)
+    budget = free - reserve
+    link = profile.plan.link_gbps * 1e9 / 8 * profile.plan.link_efficiency  # bytes/s
+    machines = []
+    for m in profile.plan.machines:
+        hours = phase_hours(profile, m, figures)
+        total = sum(hours.values())
+        machines.append(
+            {
+                "name": m.name,
+                "hours": hours,
+                "total_hours": total,
+                "cost_usd": total * m.hourly_usd if m.hourly_usd else None,
+                "extract_in_place_hours": hours["extraction"],
+            }
+        )
+    remedies = []
+    if hidden > budget:
+        fp8 = tokens * bytes_per_token(profile, dtype_bytes=1)
+        fit_len = int(budget / bpt / samples) if samples else 0
+        fit_samples = int(budget / bpt / per_sample) if per_sample else 0
+        remedies = [
+            {
+                "remedy": "fp8 hidden states (half of bf16)",
+                "hidden_state_bytes": fp8,
+                "fits": fp8 <= budget,
+                "switch": "not yet a profile switch (speculators' fp8 hidden-states backend)",
+            },
+            {
+                "remedy": "online training (hidden states generated on demand, none stored)",
+                "hidden_state_bytes": 0,
+                "fits": True,
+                "switch": "not yet a profile switch (speculators' --on-missing generate)",
+            },
+            {
+                "remedy": f"shorter sequences: at most {fit_len} tokens per sample",
+                "hidden_state_bytes": samples * min(per_sample, fit_len) * bpt,
+                "fits": fit_len > 0,
+                "switch": f"extract.max_seq_len={fit_len}",
+            },
+            {
+                "remedy": f"fewer samples: {fit_samples}",
+                "hidden_state_bytes": fit_samples * per_sample * bpt,
+                "fits": fit_samples > 0,
+                "switch": f"data.max_samples={fit_samples}",
+            },
+        ]
+    return {
+        "samples": samples,
+        "tokens_per_sample": figures["tokens_per_sample"],
+        "completion_tokens_per_sample": figures["completion_tokens_per_sample"],
+        "total_tokens": tokens,
+        "bytes_per_token": bpt,
+        "hidden_state_bytes": hidden,
+        "volume": volume_name,
+        "free_bytes": free,
+        "reserve_bytes": reserve,
+        "fits": hidden <= budget,
+        "transfer_hours": hidden / link / 3600,
+        "machines": machines,
+        "remedies": remedies,
+        "finished_stages": [s for s in STAGES if _manifest(profile, s)],
+    }
+
+
+def duration(hours: float) -> str:
+    return f"{hours:.1f}h" if hours >= 1 else f"{hours * 60:.1f}m"
+
+
+def size(n: float) -> str:
+    for unit, scale in (("TB", TB), ("GB", 10**9), ("MB", 10**6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def render(plan: dict[str, Any], profile: Profile) -> str:
+    tb = size
+
+    p = profile.plan
+    lines = [
+        f"plan for {profile.run.name}: {plan['samples']:,} samples of "
+        f"{plan['tokens_per_sample'].value:,.0f} tokens [{plan['tokens_per_sample'].source}], "
+        f"{plan['completion_tokens_per_sample'].value:,.0f} generated "
+        f"[{plan['completion_tokens_per_sample'].source}]",
+        f"  total tokens            {plan['total_tokens']:,.0f}",
+        f"  bytes per token         {plan['bytes_per_token']:,} "
+        f"({len(profile.verifier.capture_layer_ids) + 1} layers x "
+        f"{profile.verifier.hidden_size} x {DTYPE_BYTES[profile.verifier.dtype]} bytes)",
+        f"  hidden states           {tb(plan['hidden_state_bytes'])}",
+        f"  free space              {tb(plan['free_bytes'])} on {plan['volume']} "
+        f"(reserve {tb(plan['reserve_bytes'])}): {'fits' if plan['fits'] else 'DOES NOT FIT'}",
+        f"  transfer at {p.link_gbps:g} Gbps x {p.link_efficiency:g} efficiency: "
+        f"{duration(plan['transfer_hours'])}",
+        "",
+        f"  {'machine':<28}{'inference':>10}{'extract':>10}{'train':>10}{'total':>10}{'cost':>10}",
+    ]
+    for m in plan["machines"]:
+        h = m["hours"]
+        cost = f"${m['cost_usd']:,.0f}" if m["cost_usd"] is not None else "-"
+        lines.append(
+            f"  {m['name']:<28}{duration(h['inference']):>10}{duration(h['extraction']):>10}"
+            f"{duration(h['training']):>10}{duration(m['total_hours']):>10}{cost:>10}"
+        )
+    if len(plan["machines"]) > 1:
+        rental = plan["machines"][1]
+        lines.append(
+            f"  on {rental['name']}: transfer the hidden states "
+            f"{duration(plan['transfer_hours'])} vs extract in place "
+            f"{duration(rental['extract_in_place_hours'])}"
+        )
+    if plan["remedies"]:
+        lines += ["", "  the hidden states do not fit; remedies:"]
+        for r in plan["remedies"]:
+            lines.append(
+                f"  - {r['remedy']}: {tb(r['hidden_state_bytes'])}"
+                f" ({'fits' if r['fits'] else 'still too large'}); {r['switch']}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="plan")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--check", action="store_true", help="exit 2 if the run will not fit")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        profile = load_profile(args.config, args.overrides)
+        plan = build_plan(profile)
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(render(plan, profile))
+    if args.check and not plan["fits"]:
+        print(
+            "error: refusing to start: the hidden states would not fit on "
+            f"{plan['volume']}; apply a remedy above and rerun",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
