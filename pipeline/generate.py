@@ -204,7 +204,15 @@ def run(profile: Profile) -> dict[str, Any]:
         "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in kept),
         "completion_tokens": sum(r["usage"]["completion_tokens"] for r in kept),
     }
-    manifest = write_manifest(
+    if counts["failed"]:
+        # No manifest: the stage is unfinished, so later stages refuse to read a partial set.
+        (folder / "manifest.json").unlink(missing_ok=True)
+        raise PipelineError(
+            f"generate: {counts['failed']} of {counts['input']} prompts failed after retries "
+            f"(server log: {folder / 'vllm.log'} when started here); the "
+            f"{len(records)} finished records are kept; rerun `make generate` to do the rest"
+        )
+    return write_manifest(
         profile,
         "generate",
         started_at=started,
@@ -213,12 +221,6 @@ def run(profile: Profile) -> dict[str, Any]:
         inputs=("verifier",),
         data_revision=data_revision(d.dataset, d.revision),
     )
-    if counts["failed"]:
-        raise PipelineError(
-            f"generate: {counts['failed']} of {counts['input']} prompts failed after retries "
-            f"(see {folder / 'vllm.log'}); finished work is kept, rerun `make generate` to retry"
-        )
-    return manifest
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,6 +50,7 @@ class Endpoint:
     model: str  # the served model name the API expects
     started_here: bool
     log_path: Path | None = None
+    pid: int | None = None  # the server's process (and process group) when started here
 
     @property
     def v1(self) -> str:
@@ -206,6 +207,8 @@ def vllm_server(
     base = f"http://{profile.server.host}:{port}"
     try:
         wait_until_healthy(base, profile.server.startup_timeout_s, proc, log_path)
-        yield Endpoint(base_url=base, model="verifier", started_here=True, log_path=log_path)
+        yield Endpoint(
+            base_url=base, model="verifier", started_here=True, log_path=log_path, pid=proc.pid
+        )
     finally:
         _stop(proc)

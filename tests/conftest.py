@@ -1,6 +1,12 @@
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
+
+from pipeline.config import load_profile
+
+REPO = Path(__file__).parent.parent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -18,3 +24,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+# The demo's training data; fewer, shorter eval prompts keep the default test run in budget.
+TEST_OVERRIDES = [
+    "data.eval_max_samples=24",
+    "eval.max_tokens=64",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """`make hero-run` on the tiny profile, once per session; yields its profile."""
+    out = tmp_path_factory.mktemp("runs")
+    overrides = [f"run.output_dir={out}", *TEST_OVERRIDES]
+    env = {**os.environ, "PROGRESS": "0"}
+    proc = subprocess.run(
+        ["make", "hero-run", "CONFIG=configs/tiny.yaml", f"ARGS={' '.join(overrides)}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return load_profile(REPO / "configs" / "tiny.yaml", overrides)

@@ -8,42 +8,16 @@ in vLLM, on the same held-out prompts.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from pipeline.config import load_profile
 from pipeline.manifest import STAGES
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
-
-# The demo's training data; fewer, shorter eval prompts keep the default test run in budget.
-TEST_OVERRIDES = [
-    "data.eval_max_samples=24",
-    "eval.max_tokens=64",
-]
-
-
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs")
-    overrides = [f"run.output_dir={out}", *TEST_OVERRIDES]
-    env = {**os.environ, "PROGRESS": "0"}
-    proc = subprocess.run(
-        ["make", "hero-run", "CONFIG=configs/tiny.yaml", f"ARGS={' '.join(overrides)}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return load_profile(REPO / "configs" / "tiny.yaml", overrides)
 
 
 def manifest(profile, stage):
