@@ -55,6 +55,12 @@ def captured_layer_ids(profile: Profile) -> list[int]:
     return [*profile.verifier.capture_layer_ids, profile.verifier.num_hidden_layers]
 
 
+def bytes_per_token(profile: Profile, dtype_bytes: int | None = None) -> int:
+    """Hidden-state bytes one token costs: captured layers x hidden size x dtype bytes."""
+    width = dtype_bytes or DTYPE_BYTES[profile.verifier.dtype]
+    return len(captured_layer_ids(profile)) * profile.verifier.hidden_size * width
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -150,7 +156,6 @@ def run(profile: Profile) -> dict[str, Any]:
     prepared = folder / "prepared"
     hs_dir = prepared / "hidden_states"
     layer_ids = captured_layer_ids(profile)
-    dtype_bytes = DTYPE_BYTES[profile.verifier.dtype]
     with vllm_server(
         profile,
         verifier["model"],
@@ -174,7 +179,7 @@ def run(profile: Profile) -> dict[str, Any]:
             )  # fmt: skip
         stats = prepared_stats(prepared)
         done = hidden_state_bytes(hs_dir) if hs_dir.exists() else {"hidden_state_bytes": 0}
-        expected = stats["tokens"] * len(layer_ids) * profile.verifier.hidden_size * dtype_bytes
+        expected = stats["tokens"] * bytes_per_token(profile)
         check_free_space(
             folder, expected - done["hidden_state_bytes"], profile.extract.disk_reserve_gib
         )
@@ -201,7 +206,7 @@ def run(profile: Profile) -> dict[str, Any]:
         "captured_layer_ids": layer_ids,
         "hidden_size": profile.verifier.hidden_size,
         "dtype": profile.verifier.dtype,
-        "bytes_per_token": len(layer_ids) * profile.verifier.hidden_size * dtype_bytes,
+        "bytes_per_token": bytes_per_token(profile),
         **stats,
         **written,
         "expected_hidden_state_bytes": expected,

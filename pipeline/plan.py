@@ -24,10 +24,10 @@ from typing import Any
 
 from pipeline.config import MachineProfile, Profile, load_profile
 from pipeline.errors import PipelineError
+from pipeline.extract import DTYPE_BYTES, bytes_per_token, captured_layer_ids
 from pipeline.manifest import STAGES, StageInputError, read_manifest
 from pipeline.prompts import load_rows, resolve_local
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TB = 10**12
 
 
@@ -39,12 +39,6 @@ class PlanError(PipelineError):
 class Figure:
     value: float
     source: str  # "measured (<where>)" or "assumed (profile plan.<field>)"
-
-
-def bytes_per_token(profile: Profile, dtype_bytes: int | None = None) -> int:
-    layers = len(profile.verifier.capture_layer_ids) + 1  # + the last layer, pre-final-norm
-    width = dtype_bytes or DTYPE_BYTES[profile.verifier.dtype]
-    return layers * profile.verifier.hidden_size * width
 
 
 def free_bytes(path: Path) -> tuple[Path, int]:
@@ -221,7 +215,7 @@ def render(plan: dict[str, Any], profile: Profile) -> str:
         f"[{plan['completion_tokens_per_sample'].source}]",
         f"  total tokens            {plan['total_tokens']:,.0f}",
         f"  bytes per token         {plan['bytes_per_token']:,} "
-        f"({len(profile.verifier.capture_layer_ids) + 1} layers x "
+        f"({len(captured_layer_ids(profile))} layers x "
         f"{profile.verifier.hidden_size} x {DTYPE_BYTES[profile.verifier.dtype]} bytes)",
         f"  hidden states           {tb(plan['hidden_state_bytes'])}",
         f"  free space              {tb(plan['free_bytes'])} on {plan['volume']} "

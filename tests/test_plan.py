@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from pipeline.config import load_profile
-from pipeline.plan import TB, build_plan, bytes_per_token
+from pipeline.extract import bytes_per_token
+from pipeline.plan import TB, build_plan
 
 pytestmark = pytest.mark.unit
 KIMI = "configs/kimi-k2.5.yaml"
