@@ -25,7 +25,7 @@ from typing import Any
 from pipeline.config import MachineProfile, Profile, load_profile
 from pipeline.errors import PipelineError
 from pipeline.extract import DTYPE_BYTES, bytes_per_token, captured_layer_ids
-from pipeline.manifest import STAGES, StageInputError, read_manifest
+from pipeline.manifest import StageInputError, read_manifest
 from pipeline.prompts import load_rows, resolve_local
 
 TB = 10**12
@@ -38,7 +38,7 @@ class PlanError(PipelineError):
 @dataclass(frozen=True)
 class Figure:
     value: float
-    source: str  # "measured (<where>)" or "assumed (profile plan.<field>)"
+    source: str  # "measured (<stage>, ...)" or "assumed (plan.<field>)"
 
 
 def free_bytes(path: Path) -> tuple[Path, int]:
@@ -96,21 +96,24 @@ def planned_samples(profile: Profile) -> int:
     return len(load_rows(d.dataset, d.revision, d.split))
 
 
-def phase_hours(profile: Profile, machine: MachineProfile, figures: dict[str, Figure]):
-    """Hours per phase on ``machine``; local measured rates override the first machine's."""
-    samples = planned_samples(profile)
-    tokens = samples * min(figures["tokens_per_sample"].value, profile.extract.max_seq_len)
-    completion = samples * figures["completion_tokens_per_sample"].value
-    is_local = machine.name == profile.plan.machines[0].name
+def phase_hours(
+    profile: Profile,
+    machine: MachineProfile,
+    figures: dict[str, Figure],
+    tokens: float,
+    completion_tokens: float,
+    local: bool,
+) -> dict[str, float]:
+    """Hours per phase on ``machine``; measured rates replace the local machine's assumed ones."""
     gen_rate = machine.generate_tokens_per_s
     ext_rate = machine.extract_tokens_per_s
-    if is_local and "generate_tokens_per_s" in figures:
+    if local and "generate_tokens_per_s" in figures:
         gen_rate = figures["generate_tokens_per_s"].value
-    if is_local and "extract_tokens_per_s" in figures:
+    if local and "extract_tokens_per_s" in figures:
         ext_rate = figures["extract_tokens_per_s"].value
     steps = tokens * profile.train.epochs / profile.plan.train_tokens_per_step
     return {
-        "inference": completion / gen_rate / 3600,
+        "inference": completion_tokens / gen_rate / 3600,
         "extraction": tokens / ext_rate / 3600,
         "training": steps / machine.train_steps_per_s / 3600,
     }
@@ -131,9 +134,10 @@ def build_plan(profile: Profile) -> dict[str, Any]:
     reserve = int(profile.extract.disk_reserve_gib * 2**30)
     budget = free - reserve
     link = profile.plan.link_gbps * 1e9 / 8 * profile.plan.link_efficiency  # bytes/s
+    completion = samples * figures["completion_tokens_per_sample"].value
     machines = []
-    for m in profile.plan.machines:
-        hours = phase_hours(profile, m, figures)
+    for i, m in enumerate(profile.plan.machines):
+        hours = phase_hours(profile, m, figures, tokens, completion, local=i == 0)
         total = sum(hours.values())
         machines.append(
             {
@@ -141,7 +145,6 @@ def build_plan(profile: Profile) -> dict[str, Any]:
                 "hours": hours,
                 "total_hours": total,
                 "cost_usd": total * m.hourly_usd if m.hourly_usd else None,
-                "extract_in_place_hours": hours["extraction"],
             }
         )
     remedies = []
@@ -189,7 +192,6 @@ def build_plan(profile: Profile) -> dict[str, Any]:
         "transfer_hours": hidden / link / 3600,
         "machines": machines,
         "remedies": remedies,
-        "finished_stages": [s for s in STAGES if _manifest(profile, s)],
     }
 
 
@@ -205,8 +207,6 @@ def size(n: float) -> str:
 
 
 def render(plan: dict[str, Any], profile: Profile) -> str:
-    tb = size
-
     p = profile.plan
     lines = [
         f"plan for {profile.run.name}: {plan['samples']:,} samples of "
@@ -217,9 +217,9 @@ def render(plan: dict[str, Any], profile: Profile) -> str:
         f"  bytes per token         {plan['bytes_per_token']:,} "
         f"({len(captured_layer_ids(profile))} layers x "
         f"{profile.verifier.hidden_size} x {DTYPE_BYTES[profile.verifier.dtype]} bytes)",
-        f"  hidden states           {tb(plan['hidden_state_bytes'])}",
-        f"  free space              {tb(plan['free_bytes'])} on {plan['volume']} "
-        f"(reserve {tb(plan['reserve_bytes'])}): {'fits' if plan['fits'] else 'DOES NOT FIT'}",
+        f"  hidden states           {size(plan['hidden_state_bytes'])}",
+        f"  free space              {size(plan['free_bytes'])} on {plan['volume']} "
+        f"(reserve {size(plan['reserve_bytes'])}): {'fits' if plan['fits'] else 'DOES NOT FIT'}",
         f"  transfer at {p.link_gbps:g} Gbps x {p.link_efficiency:g} efficiency: "
         f"{duration(plan['transfer_hours'])}",
         "",
@@ -237,13 +237,13 @@ def render(plan: dict[str, Any], profile: Profile) -> str:
         lines.append(
             f"  on {rental['name']}: transfer the hidden states "
             f"{duration(plan['transfer_hours'])} vs extract in place "
-            f"{duration(rental['extract_in_place_hours'])}"
+            f"{duration(rental['hours']['extraction'])}"
         )
     if plan["remedies"]:
         lines += ["", "  the hidden states do not fit; remedies:"]
         for r in plan["remedies"]:
             lines.append(
-                f"  - {r['remedy']}: {tb(r['hidden_state_bytes'])}"
+                f"  - {r['remedy']}: {size(r['hidden_state_bytes'])}"
                 f" ({'fits' if r['fits'] else 'still too large'}); {r['switch']}"
             )
     return "\n".join(lines)
