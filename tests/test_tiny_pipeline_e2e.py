@@ -14,20 +14,16 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from pipeline.manifest import STAGES
+from pipeline.manifest import STAGES, read_manifest
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
 
 
-def manifest(profile, stage):
-    return json.loads((profile.run.run_dir / stage / "manifest.json").read_text())
-
-
 def test_every_stage_wrote_a_complete_manifest(tiny_run):
     profile = tiny_run
     for stage in STAGES:
-        m = manifest(profile, stage)
+        m = read_manifest(profile, stage)
         c = m["counts"]
         assert c["succeeded"] + c["skipped"] + c["failed"] == c["input"], stage
         assert m["git"]["sha"] and m["packages"]["speculators"] == "0.9.0"
@@ -36,13 +32,13 @@ def test_every_stage_wrote_a_complete_manifest(tiny_run):
 
 def test_the_built_verifier_is_not_degenerate(tiny_run):
     profile = tiny_run
-    check = manifest(profile, "verifier")["outputs"]["greedy_check"]
+    check = read_manifest(profile, "verifier")["outputs"]["greedy_check"]
     assert check["degenerate"] <= check["prompts"] // 4, check
 
 
 def test_generate_regenerated_every_prompt(tiny_run):
     profile = tiny_run
-    c = manifest(profile, "generate")["counts"]
+    c = read_manifest(profile, "generate")["counts"]
     assert c["input"] == 320 and c["failed"] == 0 and c["succeeded"] >= 300
     lines = (profile.run.run_dir / "generate" / "responses.jsonl").read_text().splitlines()
     ids = [json.loads(line)["id"] for line in lines]
@@ -51,7 +47,7 @@ def test_generate_regenerated_every_prompt(tiny_run):
 
 def test_hidden_state_bytes_match_the_formula(tiny_run):
     profile = tiny_run
-    out = manifest(profile, "extract")["outputs"]
+    out = read_manifest(profile, "extract")["outputs"]
     layers = [*profile.verifier.capture_layer_ids, profile.verifier.num_hidden_layers]
     assert out["captured_layer_ids"] == layers
     per_token = len(layers) * profile.verifier.hidden_size * 4  # float32
