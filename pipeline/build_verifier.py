@@ -28,12 +28,19 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Profile, TinyVerifierBuild
+from pipeline.errors import PipelineError
 from pipeline.manifest import StageInputError, now, read_manifest, stage_dir, write_manifest
 from pipeline.progress import progress
 from pipeline.prompts import data_revision, load_prompts
 
 log = logging.getLogger(__name__)
-SPECIAL_TOKENS = ["<|pad|>", "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+# <think>/</think> exist so that vLLM's reasoning parsers (which look them up) can serve this model.
+THINK_TOKENS = ["<think>", "</think>"]
+SPECIAL_TOKENS = ["<|pad|>", "<|begin|>", "<|end|>", *ROLE_TOKENS, *THINK_TOKENS]
+# Bump when the tokenizer, chat template or training code changes: a build is reused only when
+# its recipe version, profile, seed and corpus all match.
+RECIPE_VERSION = 2
 
 # The assistant span is wrapped in {% generation %} so that transformers (and speculators'
 # preprocessing) can return an assistant-token mask: the loss covers only assistant tokens.
@@ -41,7 +48,10 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|assistant|>\n' }}{% generation %}{{ message['content'] }}{{ '<|end|>' }}"
+    "{{ '<|assistant|>\n' }}{% generation %}"
+    "{% if message['reasoning_content'] is defined and message['reasoning_content'] %}"
+    "{{ '<think>\n' + message['reasoning_content'] + '\n</think>\n' }}{% endif %}"
+    "{{ message['content'] }}{{ '<|end|>' }}"
     "{% endgeneration %}{{ '\n' }}"
     "{% else %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
@@ -49,6 +59,15 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+
+class VerifierError(PipelineError):
+    """The verifier cannot be found or loaded; the message says where it looked and the fix."""
+
+
+def looks_like_path(name: str) -> bool:
+    """A filesystem path rather than a Hub id (``org/name``)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
 def chat_template_sha256(template: str) -> str:
@@ -86,7 +105,7 @@ def _train_tokenizer(texts: list[str], spec: TinyVerifierBuild):
         bos_token="<|begin|>",
         eos_token="<|end|>",
         pad_token="<|pad|>",
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+        additional_special_tokens=[*ROLE_TOKENS, *THINK_TOKENS],
         chat_template=CHAT_TEMPLATE,
         model_max_length=spec.max_position_embeddings,
         clean_up_tokenization_spaces=False,
@@ -241,7 +260,8 @@ def _previous_build(profile: Profile) -> dict[str, Any] | None:
     except StageInputError:
         return None
     same = (
-        m["config"]["verifier"] == profile.dump()["verifier"]
+        m["outputs"].get("recipe_version") == RECIPE_VERSION
+        and m["config"]["verifier"] == profile.dump()["verifier"]
         and m["config"]["run"]["seed"] == profile.run.seed
         and m["outputs"]["corpus"] == data_revision(str(profile.verifier.build.corpus), None)
     )
@@ -262,18 +282,31 @@ def run(profile: Profile) -> dict[str, Any]:
         extra = build_tiny_verifier(profile, Path(path))
     elif Path(path).is_dir():
         _check_local_config(profile, Path(path))
+    elif looks_like_path(path):
+        raise VerifierError(
+            f"verifier.model={path!r}: no such folder; point it at a model folder (with "
+            "config.json) or at a Hub id such as moonshotai/Kimi-K2.5"
+        )
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        path,
-        revision=profile.verifier.revision,
-        trust_remote_code=profile.verifier.trust_remote_code,
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path,
+            revision=profile.verifier.revision,
+            trust_remote_code=profile.verifier.trust_remote_code,
+        )
+    except OSError as err:  # transformers' error for a missing, gated or offline model
+        raise VerifierError(
+            f"could not load the verifier {path!r} (revision {profile.verifier.revision}): "
+            f"{err}. Download it first (`hf download {path}`) into the HF cache, or point "
+            "verifier.model at a local folder"
+        ) from err
     template = tokenizer.chat_template or ""
     outputs = {
         "model": path,
         "revision": profile.verifier.revision,
         "built": profile.verifier.build is not None,
+        "recipe_version": RECIPE_VERSION if profile.verifier.build is not None else None,
         "hidden_size": profile.verifier.hidden_size,
         "num_hidden_layers": profile.verifier.num_hidden_layers,
         "capture_layer_ids": profile.verifier.capture_layer_ids,

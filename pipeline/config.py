@@ -123,6 +123,8 @@ class DataConfig(StrictModel):
     revision: str | None = None
     split: str = "train"
     max_samples: PositiveInt | None = None
+    # A row that breaks the schema (or repeats an id): stop with its error, or skip and count it.
+    on_malformed_row: Literal["error", "skip"] = "error"
     # Held-out prompts for eval, same schema and loader.
     eval_dataset: str
     eval_revision: str | None = None
@@ -139,6 +141,10 @@ class GenerateConfig(StrictModel):
     max_retries: int = Field(default=5, ge=0)
     # Passed as chat_template_kwargs, e.g. {"thinking": true} for reasoning verifiers.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # A reply cut at max_tokens: keep it (and count it) or skip its conversation.
+    on_truncated: Literal["keep", "skip"] = "keep"
+    # A reply with reasoning but no answer: skip its conversation unless this is set.
+    keep_reasoning_only: bool = False
 
 
 class ExtractConfig(StrictModel):

@@ -18,9 +18,14 @@ Invariants:
 - captured layer ids are ``verifier.capture_layer_ids + [num_hidden_layers]``, the same ids
   that training and the drafter config receive (recorded in the manifest);
 - hidden-state bytes written equal tokens x layers x hidden size x dtype bytes (checked);
-- before any hidden state is written, free space is checked against the whole estimate plus
-  ``extract.disk_reserve_gib``; speculators skips rows whose file already exists and is
-  readable, so a rerun resumes.
+- every shard is written atomically (temporary file, fsync, rename) by the connector in
+  ``pipeline/hidden_states_connector.py``, which writes no shard that would leave less than
+  ``extract.disk_reserve_gib`` free; a crash or a full disk leaves no short shard under a real
+  name, and the stage then fails naming the space to free;
+- before anything is written, free space is checked against the whole estimate plus the reserve;
+- speculators skips rows whose shard already exists and is readable, so a rerun resumes;
+- counts: ``succeeded + skipped + failed == input``, in assistant turns of the conversations
+  `generate` kept: speculators makes one training row per assistant turn.
 """
 
 from __future__ import annotations
@@ -33,17 +38,18 @@ from typing import Any
 
 from safetensors import safe_open
 
+from pipeline.atomic_files import atomic_write_bytes, free_bytes, remove_temporaries
 from pipeline.build_verifier import resolved_verifier
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.logged_process import run_logged
-from pipeline.manifest import atomic_write_bytes, now, read_manifest, stage_dir, write_manifest
+from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
+from pipeline.progress import watch
 from pipeline.vllm_server import vllm_server
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
-CPU_CONNECTOR = ("CpuHiddenStatesConnector", "pipeline.cpu_hidden_states_connector")
-STOCK_CONNECTOR = ("ExampleHiddenStatesConnector", None)
+CONNECTOR_MODULE = "pipeline.hidden_states_connector"
 
 
 class ExtractError(PipelineError):
@@ -61,6 +67,10 @@ def bytes_per_token(profile: Profile, dtype_bytes: int | None = None) -> int:
     return len(captured_layer_ids(profile)) * profile.verifier.hidden_size * width
 
 
+def reserve_bytes(profile: Profile) -> int:
+    return int(profile.extract.disk_reserve_gib * 2**30)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -69,14 +79,16 @@ def _cuda_available() -> bool:
 
 def server_flags(profile: Profile, staging: Path) -> dict[str, Any]:
     """The speculative and KV-transfer configs that turn vLLM into a hidden-state extractor."""
-    name, module = STOCK_CONNECTOR if _cuda_available() else CPU_CONNECTOR
+    name = "ReservedHiddenStatesConnector" if _cuda_available() else "CpuHiddenStatesConnector"
     kv = {
         "kv_connector": name,
+        "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(staging)},
+        "kv_connector_extra_config": {
+            "shared_storage_path": str(staging),
+            "disk_reserve_bytes": reserve_bytes(profile),
+        },
     }
-    if module:
-        kv["kv_connector_module_path"] = module
     spec = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -87,16 +99,18 @@ def server_flags(profile: Profile, staging: Path) -> dict[str, Any]:
     return {"speculative_config": spec, "kv_transfer_config": kv}
 
 
-def write_conversations(generate_dir: Path, responses: str, out: Path) -> int:
-    """The kept conversations, in the schema prepare-data reads; returns the row count."""
+def write_conversations(generate_dir: Path, responses: str, out: Path) -> dict[str, int]:
+    """The kept conversations, in the schema prepare-data reads; returns their counts."""
     lines = []
+    turns = 0
     for line in (generate_dir / responses).read_text().splitlines():
         record = json.loads(line)
         if record["skip_reason"]:
             continue
         lines.append(json.dumps({"id": record["id"], "conversations": record["conversations"]}))
+        turns += sum(t["from"] == "gpt" for t in record["conversations"])
     atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())
-    return len(lines)
+    return {"conversations": len(lines), "assistant_turns": turns}
 
 
 def speculators_cli(*args: str, log_path: Path) -> None:
@@ -104,7 +118,7 @@ def speculators_cli(*args: str, log_path: Path) -> None:
     run_logged(cmd, log_path, ExtractError, f"speculators {args[0]}")
 
 
-def prepared_stats(prepared: Path) -> dict[str, int]:
+def prepared_stats(prepared: Path, max_seq_len: int) -> dict[str, int]:
     import datasets
 
     table = datasets.load_from_disk(str(prepared))
@@ -112,19 +126,24 @@ def prepared_stats(prepared: Path) -> dict[str, int]:
         "rows": len(table),
         "tokens": int(sum(table["seq_len"])),
         "loss_tokens": int(sum(sum(m) for m in table["loss_mask"])),
+        "truncated": int(sum(int(n) >= max_seq_len for n in table["seq_len"])),
     }
 
 
-def check_free_space(folder: Path, needed: int, reserve_gib: float) -> None:
-    free = shutil.disk_usage(folder).free
-    reserve = int(reserve_gib * 2**30)
-    if free - needed < reserve:
-        raise ExtractError(
-            f"not enough disk for hidden states on {folder}: need {needed / 2**30:.2f} GiB plus "
-            f"a reserve of {reserve_gib} GiB, but {free / 2**30:.2f} GiB is free. Free space, "
-            "move run.output_dir to a larger volume, or lower extract.max_seq_len / "
-            "data.max_samples; finished files are kept and a rerun resumes"
-        )
+def check_free_space(folder: Path, needed: int, reserve: int, done: str = "") -> None:
+    """Raise, naming the volume and the bytes to free, if ``needed`` would cross the reserve."""
+    free = free_bytes(folder)
+    if free - needed >= reserve:
+        return
+    short = needed + reserve - free
+    raise ExtractError(
+        f"not enough disk for hidden states on {folder}: {done}the rest needs "
+        f"{needed / 2**30:.2f} GiB plus the reserve of {reserve / 2**30:.2f} GiB "
+        f"(extract.disk_reserve_gib), but {free / 2**30:.2f} GiB is free; free at least "
+        f"{short / 2**30:.2f} GiB, or move run.output_dir to a larger volume, or lower "
+        "extract.max_seq_len / data.max_samples (see `make plan`). Finished shards are kept; "
+        "rerun `make extract` to resume"
+    )
 
 
 def hidden_state_bytes(hs_dir: Path) -> dict[str, int]:
@@ -141,6 +160,17 @@ def hidden_state_bytes(hs_dir: Path) -> dict[str, int]:
     return {"files": count, "tokens": tokens, "hidden_state_bytes": payload, "file_bytes": files}
 
 
+def count_shards(hs_dir: Path) -> int:
+    return sum(1 for _ in hs_dir.glob("hs_*.safetensors")) if hs_dir.exists() else 0
+
+
+def clear_staging(staging: Path) -> None:
+    """Drop what a killed server left in staging; only finished shards in the dataset count."""
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+
+
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
     verifier = resolved_verifier(profile)
@@ -148,14 +178,18 @@ def run(profile: Profile) -> dict[str, Any]:
     folder = stage_dir(profile, "extract")
     folder.mkdir(parents=True, exist_ok=True)
     conversations = folder / "conversations.jsonl"
-    rows_in = write_conversations(
+    kept = write_conversations(
         stage_dir(profile, "generate"), generate["outputs"]["responses"], conversations
     )
-    if rows_in == 0:
+    if kept["conversations"] == 0:
         raise ExtractError("generate kept no conversation; nothing to extract (see its manifest)")
     prepared = folder / "prepared"
     hs_dir = prepared / "hidden_states"
     layer_ids = captured_layer_ids(profile)
+    reserve = reserve_bytes(profile)
+    clear_staging(folder / "staging")
+    if hs_dir.exists():
+        remove_temporaries(hs_dir)
     with vllm_server(
         profile,
         verifier["model"],
@@ -177,28 +211,40 @@ def run(profile: Profile) -> dict[str, Any]:
                 *(["--trust-remote-code"] if profile.verifier.trust_remote_code else []),
                 log_path=folder / "prepare-data.log",
             )  # fmt: skip
-        stats = prepared_stats(prepared)
+        stats = prepared_stats(prepared, profile.extract.max_seq_len)
         done = hidden_state_bytes(hs_dir) if hs_dir.exists() else {"hidden_state_bytes": 0}
         expected = stats["tokens"] * bytes_per_token(profile)
-        check_free_space(
-            folder, expected - done["hidden_state_bytes"], profile.extract.disk_reserve_gib
-        )
-        speculators_cli(
-            "generate-offline-data",
-            "--endpoint", endpoint.v1,
-            "--preprocessed-data", str(prepared),
-            "--concurrency", str(profile.extract.concurrency),
-            "--request-timeout", str(profile.generate.request_timeout_s),
-            "--max-retries", str(profile.generate.max_retries),
-            "--validate-outputs",
-            log_path=folder / "generate-offline-data.log",
-        )  # fmt: skip
+        check_free_space(folder, expected - done["hidden_state_bytes"], reserve)
+        try:
+            with watch(lambda: count_shards(hs_dir), stats["rows"], desc="extract", unit="shard"):
+                speculators_cli(
+                    "generate-offline-data",
+                    "--endpoint", endpoint.v1,
+                    "--preprocessed-data", str(prepared),
+                    "--concurrency", str(profile.extract.concurrency),
+                    "--max-consecutive-errors", str(profile.extract.concurrency),
+                    "--request-timeout", str(profile.generate.request_timeout_s),
+                    "--max-retries", str(profile.generate.max_retries),
+                    "--validate-outputs",
+                    log_path=folder / "generate-offline-data.log",
+                )  # fmt: skip
+        except ExtractError as err:
+            failure: ExtractError | None = err
+        else:
+            failure = None
     written = hidden_state_bytes(hs_dir)
     if written["hidden_state_bytes"] != expected or written["files"] != stats["rows"]:
-        raise ExtractError(
-            f"hidden states incomplete: {written['files']} of {stats['rows']} files, "
-            f"{written['hidden_state_bytes']} of {expected} bytes; rerun `make extract` to resume"
+        progress_note = f"{written['files']} of {stats['rows']} shards are written and kept; "
+        # Shards the connector refused for the reserve leave no file: say how much to free.
+        check_free_space(
+            folder, expected - written["hidden_state_bytes"], reserve, done=progress_note
         )
+        raise ExtractError(
+            f"hidden states incomplete: {written['files']} of {stats['rows']} shards, "
+            f"{written['hidden_state_bytes']} of {expected} bytes; see "
+            f"{folder / 'generate-offline-data.log'} and {folder / 'vllm.log'}; "
+            "rerun `make extract` to resume"
+        ) from failure
     outputs = {
         "prepared": "prepared",
         "hidden_states": "prepared/hidden_states",
@@ -211,11 +257,22 @@ def run(profile: Profile) -> dict[str, Any]:
         **written,
         "expected_hidden_state_bytes": expected,
     }
+    # prepare-data makes one row per assistant turn, and skips a turn whose context alone
+    # fills extract.max_seq_len.
+    skipped = kept["assistant_turns"] - stats["rows"]
     return write_manifest(
         profile,
         "extract",
         started_at=started,
-        counts={"input": rows_in, "succeeded": rows_in, "skipped": 0, "failed": 0},
+        counts={
+            "input": kept["assistant_turns"],
+            "succeeded": stats["rows"],
+            "skipped": skipped,
+            "failed": 0,
+            "skip_reasons": {"context_fills_max_seq_len": skipped} if skipped else {},
+            "conversations": kept["conversations"],
+            "truncated_to_max_seq_len": stats["truncated"],
+        },
         outputs=outputs,
         inputs=("verifier", "generate"),
         data_revision=generate["data_revision"],

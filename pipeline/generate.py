@@ -13,7 +13,13 @@ Invariants:
   flight; a rerun reads the finished ids and sends only the rest (a torn last line from a
   crash is dropped before appending);
 - transient failures (timeouts, connection errors, 5xx, 429) are retried with exponential
-  backoff; a prompt that still fails is counted as failed, not written, and retried next run.
+  backoff; a prompt that still fails is counted as failed, not written, and retried next run;
+- a conversation ends unkept, written with its ``skip_reason``, when the server rejects it as
+  over ``server.max_model_len`` (``prompt_too_long``), a reply is empty (``empty_response``), has
+  reasoning but no answer (``reasoning_only_response``, unless ``generate.keep_reasoning_only``),
+  or stopped at ``generate.max_tokens`` with ``generate.on_truncated: skip``
+  (``truncated_response``); truncated replies are kept and counted by default;
+- counts: ``succeeded + skipped + failed == input``, with the skips by reason.
 """
 
 from __future__ import annotations
@@ -85,6 +91,26 @@ def request_body(profile: Profile, endpoint: Endpoint, messages: list[dict]) -> 
     return body
 
 
+def prompt_too_long(err: httpx.HTTPStatusError) -> bool:
+    """vLLM's 400 for a conversation over ``server.max_model_len`` (a fact of the row)."""
+    text = err.response.text.lower()
+    return err.response.status_code == 400 and (
+        "context length" in text or "max_model_len" in text or "too long" in text
+    )
+
+
+def skip_reason(profile: Profile, content: str, reasoning: str | None, finish: str | None):
+    """Why a reply ends its conversation unkept, by the profile's policies; None to keep it."""
+    if not content.strip():
+        if not reasoning:
+            return "empty_response"
+        if not profile.generate.keep_reasoning_only:
+            return "reasoning_only_response"
+    if finish == "length" and profile.generate.on_truncated == "skip":
+        return "truncated_response"
+    return None
+
+
 async def regenerate_row(
     client: httpx.AsyncClient, endpoint: Endpoint, profile: Profile, row: PromptRow
 ) -> dict[str, Any]:
@@ -102,12 +128,18 @@ async def regenerate_row(
                       "value": message["content"]})  # fmt: skip
         if message["role"] != "user":
             continue
-        reply = await chat_completion(
-            client,
-            endpoint.v1,
-            request_body(profile, endpoint, history),
-            max_retries=profile.generate.max_retries,
-        )
+        try:
+            reply = await chat_completion(
+                client,
+                endpoint.v1,
+                request_body(profile, endpoint, history),
+                max_retries=profile.generate.max_retries,
+            )
+        except httpx.HTTPStatusError as err:
+            if not prompt_too_long(err):
+                raise
+            skip = "prompt_too_long"
+            break
         choice = reply["choices"][0]
         content = choice["message"].get("content") or ""
         # vLLM names it `reasoning` (newer) or `reasoning_content` (older).
@@ -115,8 +147,8 @@ async def regenerate_row(
         for k in usage:
             usage[k] += reply.get("usage", {}).get(k, 0)
         finish_reasons.append(choice.get("finish_reason"))
-        if not content.strip():
-            skip = "reasoning_only_response" if reasoning else "empty_response"
+        skip = skip_reason(profile, content, reasoning, choice.get("finish_reason"))
+        if skip:
             break
         history.append({"role": "assistant", "content": content})
         turn = {"from": "gpt", "value": content}
@@ -151,7 +183,10 @@ async def regenerate_all(
                 try:
                     record = await regenerate_row(client, endpoint, profile, row)
                 except (httpx.HTTPError, KeyError, ValueError) as err:
-                    log.warning("prompt %s failed: %r", row.id, err)
+                    detail = (
+                        err.response.text[:300] if isinstance(err, httpx.HTTPStatusError) else ""
+                    )
+                    log.warning("prompt %s failed: %r %s", row.id, err, detail)
                     failed += 1
                 else:
                     writer.write(record)  # skips too: they are finished, with a reason
@@ -172,7 +207,10 @@ def run(profile: Profile) -> dict[str, Any]:
     folder = stage_dir(profile, "generate")
     folder.mkdir(parents=True, exist_ok=True)
     d = profile.data
-    rows = load_prompts(d.dataset, d.revision, d.split, d.max_samples)
+    rejected: dict[str, str] | None = {} if d.on_malformed_row == "skip" else None
+    rows = load_prompts(d.dataset, d.revision, d.split, d.max_samples, rejected)
+    for where, why in (rejected or {}).items():
+        log.warning("generate: skipping malformed %s: %s", where, why)
     out = folder / RESPONSES
     done = finished_ids(out)
     todo = [r for r in rows if r.id not in done]
@@ -192,11 +230,14 @@ def run(profile: Profile) -> dict[str, Any]:
     for r in records:
         if r["skip_reason"]:
             skip_reasons[r["skip_reason"]] = skip_reasons.get(r["skip_reason"], 0) + 1
+    if rejected:
+        skip_reasons["malformed_row"] = len(rejected)
     counts = {
-        "input": len(rows),
+        "input": len(rows) + len(rejected or {}),
         "succeeded": len(kept),
-        "skipped": len(records) - len(kept),
+        "skipped": len(records) - len(kept) + len(rejected or {}),
         "failed": len(rows) - len(records),
+        "skip_reasons": skip_reasons,
         "truncated": sum("length" in r["finish_reasons"] for r in kept),
         "with_reasoning": sum(
             any("reasoning_content" in t for t in r["conversations"]) for r in kept
@@ -217,7 +258,7 @@ def run(profile: Profile) -> dict[str, Any]:
         "generate",
         started_at=started,
         counts=counts,
-        outputs={"responses": RESPONSES, "skip_reasons": skip_reasons},
+        outputs={"responses": RESPONSES},
         inputs=("verifier",),
         data_revision=data_revision(d.dataset, d.revision),
     )

@@ -12,12 +12,11 @@ import contextlib
 import datetime as dt
 import importlib.metadata
 import json
-import os
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic_files import atomic_write_bytes
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 
@@ -43,27 +42,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 class StageInputError(PipelineError):
     """A stage's declared input is missing or incomplete."""
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` so that readers see either the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -116,7 +94,7 @@ def write_manifest(
     stage: str,
     *,
     started_at: dt.datetime,
-    counts: dict[str, int],
+    counts: dict[str, Any],
     outputs: dict[str, Any],
     inputs: tuple[str, ...] = (),
     data_revision: dict[str, Any] | None = None,

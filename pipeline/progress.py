@@ -6,9 +6,11 @@ to force them off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -25,3 +27,27 @@ def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
     kwargs.setdefault("dynamic_ncols", True)
     kwargs.setdefault("smoothing", 0.1)
     return tqdm(iterable, disable=not progress_enabled(), **kwargs)
+
+
+@contextlib.contextmanager
+def watch(count: Callable[[], int], total: int, interval_s: float = 1.0, **kwargs: Any):
+    """Show a bar for work another process does, polling ``count()`` every ``interval_s``."""
+    bar = progress(total=total, **kwargs)
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(interval_s):
+            with contextlib.suppress(OSError):
+                bar.update(count() - bar.n)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    if not bar.disable:
+        bar.update(count())
+        thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        bar.close()

@@ -117,18 +117,37 @@ def normalise_row(index: int, row: dict[str, Any]) -> PromptRow:
 
 
 def load_prompts(
-    dataset: str, revision: str | None, split: str, max_samples: int | None
+    dataset: str,
+    revision: str | None,
+    split: str,
+    max_samples: int | None,
+    rejected: dict[str, str] | None = None,
 ) -> list[PromptRow]:
-    """Load, validate and normalise a prompt set; duplicate ids are an error."""
+    """Load, validate and normalise a prompt set.
+
+    A malformed row or a duplicate id is an error, unless ``rejected`` is given: then such rows
+    are left out and recorded there (``"row <i>"`` -> reason), for the caller to count.
+    """
     table = load_rows(dataset, revision, split)
     if max_samples is not None:
         table = table.select(range(min(max_samples, len(table))))
-    rows = [normalise_row(i, r) for i, r in enumerate(table)]
+    rows: list[PromptRow] = []
     seen: set[str] = set()
-    for r in rows:
-        if r.id in seen:
-            raise PromptDataError(f"duplicate prompt id {r.id!r} in {dataset}")
-        seen.add(r.id)
+    for i, raw in enumerate(table):
+        try:
+            row = normalise_row(i, raw)
+            if row.id in seen:
+                raise PromptDataError(f"row {i}: duplicate prompt id {row.id!r} in {dataset}")
+        except PromptDataError as err:
+            if rejected is None:
+                raise PromptDataError(
+                    f"{err}; fix the row, or set data.on_malformed_row=skip to leave such rows "
+                    "out and count them"
+                ) from None
+            rejected[f"row {i}"] = str(err)
+            continue
+        seen.add(row.id)
+        rows.append(row)
     return rows
 
 

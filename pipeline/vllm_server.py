@@ -137,6 +137,7 @@ def wait_until_healthy(
 ) -> None:
     """Poll ``/health`` until it answers 200, showing elapsed time; fail fast if proc exits."""
     deadline = time.monotonic() + timeout_s
+    log.info("waiting up to %.0fs for vLLM at %s to load and answer /health", timeout_s, base_url)
     bar = progress(total=int(timeout_s), desc=f"waiting for vLLM at {base_url}", unit="s")
     started = time.monotonic()
     try:

@@ -1,4 +1,8 @@
-"""Generation is exactly-once by prompt id across a SIGKILL of the real vLLM server."""
+"""Generation is exactly-once by prompt id across a SIGKILL of the real vLLM server.
+
+The rerun is started before its new server, so it also shows that a server still loading is
+waited for (up to ``server.startup_timeout_s``) rather than counted as failures.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 from pipeline.build_verifier import resolved_verifier
 from pipeline.config import load_profile
 from pipeline.prompts import load_prompts
-from pipeline.vllm_server import vllm_server
+from pipeline.vllm_server import LOOPBACK, free_port, vllm_server
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
@@ -70,10 +74,16 @@ def test_generation_resumes_exactly_once_after_the_server_is_killed(tiny_run, tm
     first = ids_in(responses)
     assert 20 <= len(first) < SAMPLES and len(set(first)) == len(first)
 
-    with vllm_server(profile, model, tmp_path / "second.log", use_base_url=False) as server:
-        proc = generate(overrides, server.base_url)
+    # The rerun starts before its server does: it must wait for the loading server, not fail.
+    port = free_port(LOOPBACK)
+    proc = generate(overrides, f"http://{LOOPBACK}:{port}")
+    time.sleep(5)
+    assert proc.poll() is None, proc.communicate()
+    restarted = load_profile(REPO / "configs" / "tiny.yaml", [*overrides, f"server.port={port}"])
+    with vllm_server(restarted, model, tmp_path / "second.log", use_base_url=False):
         _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
+    assert f"for vLLM at http://{LOOPBACK}:{port} to load" in stderr
     final = ids_in(responses)
     expected = {r.id for r in load_prompts("data/prompts/tiny-blend.jsonl", None, "train", SAMPLES)}
     assert len(final) == len(set(final)) == SAMPLES and set(final) == expected

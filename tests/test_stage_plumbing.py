@@ -2,6 +2,7 @@
 
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from pipeline.generate import ResponseWriter, finished_ids
 from pipeline.manifest import StageInputError, atomic_write_json, read_manifest, write_manifest
 
 pytestmark = pytest.mark.unit
+REPO = Path(__file__).parent.parent
 
 
 def test_atomic_write_leaves_no_temporary_files(tmp_path):
@@ -74,10 +76,10 @@ def _words(source: str) -> set[str]:
     return set(re.findall(r"(?:self\.|def )\w+", source))
 
 
-def test_cpu_connector_relies_only_on_stock_connector_internals_that_exist():
+def test_hidden_state_connectors_rely_only_on_stock_connector_internals_that_exist():
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
 
-    from pipeline.cpu_hidden_states_connector import STOCK_ATTRIBUTES
+    from pipeline.hidden_states_connector import STOCK_ATTRIBUTES
 
     source = inspect.getsource(m.ExampleHiddenStatesConnector)
     missing = [
@@ -90,3 +92,40 @@ def test_speculators_cpu_adapter_targets_exist():
     from pipeline.speculators_train import check_patch_targets
 
     check_patch_targets()
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("/no/such/verifier/folder", "no such folder"),
+        ("no-such-org/no-such-verifier", "Download it first"),
+    ],
+)
+def test_missing_verifier_names_the_model_and_the_fix(tmp_path, model, message):
+    from pipeline import build_verifier
+
+    profile = load_profile(
+        REPO / "configs" / "kimi-k2.5.yaml",
+        [f"run.output_dir={tmp_path}", f"verifier.model={model}"],
+    )
+    with pytest.raises(build_verifier.VerifierError, match=message) as info:
+        build_verifier.run(profile)
+    assert model in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "reasoning", "finish", "overrides", "reason"),
+    [
+        ("", None, "stop", [], "empty_response"),
+        ("  ", "thinking...", "length", [], "reasoning_only_response"),
+        ("", "thinking...", "stop", ["generate.keep_reasoning_only=true"], None),
+        ("an answer", None, "length", [], None),
+        ("an answer", None, "length", ["generate.on_truncated=skip"], "truncated_response"),
+        ("an answer", "thinking...", "stop", ["generate.on_truncated=skip"], None),
+    ],
+)
+def test_reply_skip_policy(content, reasoning, finish, overrides, reason):
+    from pipeline.generate import skip_reason
+
+    profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
+    assert skip_reason(profile, content, reasoning, finish) == reason

@@ -26,6 +26,7 @@ def test_every_stage_wrote_a_complete_manifest(tiny_run):
         m = read_manifest(profile, stage)
         c = m["counts"]
         assert c["succeeded"] + c["skipped"] + c["failed"] == c["input"], stage
+        assert sum(c.get("skip_reasons", {}).values()) == c["skipped"]
         assert m["git"]["sha"] and m["packages"]["speculators"] == "0.9.0"
         assert m["config"]["run"]["output_dir"] == str(profile.run.output_dir)
 

@@ -1,32 +1,43 @@
-"""A vLLM KV connector that saves EAGLE-3 hidden states on CPU-only vLLM builds.
+"""vLLM KV connectors that save EAGLE-3 hidden states atomically, within a disk reserve.
 
 vLLM's ``extract_hidden_states`` speculative method stacks the verifier's hidden states at the
 requested layer ids into a cache-only attention layer; a KV connector then writes them out per
-request. The stock ``ExampleHiddenStatesConnector`` copies device->host with CUDA streams,
-events and pinned memory, which the CPU build does not have (``pin_memory=True`` raises on the
-first request). On CPU the cache already lives in host memory, so the copy is a plain gather.
+request as ``<shared_storage_path>/<req_id>.safetensors`` with ``hidden_states``
+[num_tokens, num_layer_ids, hidden_size] (model dtype) and ``token_ids`` [num_tokens] int64, plus
+a ``.lock`` held (flock LOCK_EX) until the file is complete. speculators' data generation waits on
+the lock and moves the file into the dataset.
 
-This subclass keeps the stock scheduler side (file naming, lock files, delayed block freeing,
-``kv_transfer_params``) and replaces only the worker-side save path. The output is the stock
-format that speculators reads: ``<shared_storage_path>/<req_id>.safetensors`` with
-``hidden_states`` [num_tokens, num_layer_ids, hidden_size] (model dtype) and ``token_ids``
-[num_tokens] int64, plus a ``.lock`` held (flock LOCK_EX) until the file is complete.
+The stock ``ExampleHiddenStatesConnector`` writes straight to the final name, so a crash or a full
+disk leaves a short file behind, and it writes whatever the free space. The classes here change
+only the file write:
+
+- ``ReservedHiddenStatesConnector`` (CUDA): every shard is written with
+  :func:`pipeline.atomic_files.atomic_write_bytes` (temporary file, fsync, rename), and a shard
+  that would leave less than ``disk_reserve_bytes`` (kv_connector_extra_config) free is not
+  written at all. A shard that is not written is logged and leaves no file; the client sees the
+  file missing, skips the row, and the extract stage reports how much space it needs.
+- ``CpuHiddenStatesConnector`` (CPU-only vLLM builds): the same write, plus a host-memory save
+  path, because the stock one copies device->host with CUDA streams, events and pinned memory,
+  which the CPU build does not have (``pin_memory=True`` raises on the first request). On CPU the
+  cache already lives in host memory, so the copy is a plain gather.
 
 Loaded by vLLM through ``--kv-transfer-config`` with ``kv_connector_module_path`` set to this
-module (the repository root must be on PYTHONPATH of the server process). It relies on the
-stock connector's internals listed in ``STOCK_ATTRIBUTES``; tests check they still exist, so a
-vLLM upgrade that renames them fails loudly.
+module (the repository root must be on PYTHONPATH of the server process). They rely on the stock
+connector's internals listed in ``STOCK_ATTRIBUTES``; tests check they still exist, so a vLLM
+upgrade that renames them fails loudly.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from concurrent.futures import Future
 from functools import partial
+from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -34,7 +45,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-# Stock-connector attributes this class reads or calls (set in its __init__/register_kv_caches).
+from pipeline.atomic_files import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+# Stock-connector attributes these classes read, call or override.
 STOCK_ATTRIBUTES = (
     "_kv_cache",
     "_block_size",
@@ -45,20 +60,50 @@ STOCK_ATTRIBUTES = (
     "_on_write_done",
     "_is_tp_rank_zero",
     "_accumulated_finished_req_ids",
+    "_kv_transfer_config",
+    "_write_tensors",
 )
 
 
-def _write_and_unlock(tensors: dict[str, torch.Tensor], path: str, lock_fd: int | None) -> None:
-    """Thread-pool job: write the file, then release the writer's exclusive flock."""
+def write_shard(tensors: dict[str, torch.Tensor], path: str, reserve_bytes: int) -> bool:
+    """Write one hidden-state shard atomically; False (and no file) if it cannot be written."""
     try:
-        save_file(tensors, path)
-    finally:
-        if lock_fd is not None:
-            os.close(lock_fd)
+        atomic_write_bytes(Path(path), save(tensors), reserve_bytes)
+    except OSError as err:
+        log.error("hidden-state shard %s not written: %s", path, err)
+        return False
+    return True
 
 
-class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """``ExampleHiddenStatesConnector`` with a host-memory save path."""
+class ReservedHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """The stock connector with atomic shard writes that keep a free-space reserve."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.get_from_extra_config
+        self._disk_reserve_bytes = int(extra("disk_reserve_bytes", 0))
+
+    def _write_and_unlock(
+        self, tensors: dict[str, torch.Tensor], path: str, lock_fd: int | None
+    ) -> None:
+        try:
+            write_shard(tensors, path, self._disk_reserve_bytes)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX: the client may read (or miss) the file
+
+    def _write_tensors(self, tensors, event, filename, lock_fd) -> None:  # stock signature
+        try:
+            event.synchronize()
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
+        self._write_and_unlock(tensors, filename, lock_fd)
+
+
+class CpuHiddenStatesConnector(ReservedHiddenStatesConnector):
+    """``ReservedHiddenStatesConnector`` with a host-memory save path for CPU-only vLLM."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -87,7 +132,7 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
             lock_fd = os.open(pending.filename + ".lock", flags, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         future: Future = self._executor.submit(
-            _write_and_unlock, tensors, pending.filename, lock_fd
+            self._write_and_unlock, tensors, pending.filename, lock_fd
         )
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

@@ -1,0 +1,75 @@
+"""Atomic file writes with a free-space reserve: readers see the old file or the whole new one.
+
+Every file a later stage reads (manifests, hidden-state shards, conversation lists) is written
+here: a temporary file in the same folder, fsync, rename over the target, fsync of the folder.
+A crash or a full disk leaves at most a ``.*.tmp`` file, never a short file under the real name.
+
+Deliberately free of heavy imports: vLLM worker processes import it through the hidden-state
+connector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TMP_SUFFIX = ".tmp"
+
+
+class ReserveExceededError(OSError):
+    """Writing would leave less free space than the reserve; nothing was written."""
+
+    def __init__(self, path: Path, needed: int, free: int, reserve: int):
+        super().__init__(
+            errno.ENOSPC,
+            f"writing {needed} bytes would leave {free - needed} of the {reserve} bytes that "
+            f"must stay free on the volume of {path.parent}",
+        )
+        self.needed, self.free, self.reserve = needed, free, reserve
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, reserve_bytes: int = 0) -> None:
+    """Write ``data`` to ``path`` atomically; refuse first if it would cross ``reserve_bytes``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if reserve_bytes:
+        free = free_bytes(path.parent)
+        if free - len(data) < reserve_bytes:
+            raise ReserveExceededError(path, len(data), free, reserve_bytes)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_temporaries(folder: Path) -> int:
+    """Delete the ``.*.tmp`` files an interrupted writer left in ``folder``; return the count."""
+    removed = 0
+    for tmp in Path(folder).glob(f".*{TMP_SUFFIX}"):
+        tmp.unlink(missing_ok=True)
+        removed += 1
+    return removed

@@ -1,0 +1,56 @@
+"""Helpers shared by the e2e tests: real small filesystems and seeded run folders."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Profile
+
+
+@contextlib.contextmanager
+def small_volume(path: Path, size_bytes: int):
+    """A real filesystem of ``size_bytes`` (tmpfs) at ``path``, so a write can hit ENOSPC."""
+    path.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mount.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_volume(path: Path, leave_bytes: int) -> Path:
+    """Write a ballast file that leaves at most ``leave_bytes`` free on ``path``'s volume."""
+    ballast = path / "ballast.bin"
+    size = max(shutil.disk_usage(path).free - leave_bytes, 0)
+    chunk = b"\0" * 2**20
+    with open(ballast, "wb", buffering=0) as fh:
+        try:
+            while size > 0:
+                size -= fh.write(chunk[: min(size, len(chunk))])
+        except OSError as err:  # others wrote meanwhile: the volume is full, as wanted
+            if err.errno != errno.ENOSPC:
+                raise
+    return ballast
+
+
+def seed_run_dir(source: Profile, target: Profile, stages: tuple[str, ...]) -> None:
+    """Declare ``stages`` of ``source``'s run finished in ``target``'s run folder (by copy)."""
+    for stage in stages:
+        shutil.copytree(
+            source.run.run_dir / stage,
+            target.run.run_dir / stage,
+            ignore=shutil.ignore_patterns("model", "*.log"),  # the model is used in place
+        )
