@@ -2,6 +2,7 @@
 #   make demo                               the whole pipeline on the tiny profile (CPU, minutes)
 #   make test                               the default test run (CI runs exactly this)
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
+#   make bench                              measured ratios, runs/tiny/bench/results.md
 # Every target installs what it needs into .venv first.
 
 SHELL := /bin/bash
@@ -15,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo hero-run plan verifier generate extract train eval card test test-all test-unit quality format clean
+.PHONY: venv demo hero-run plan bench verifier generate extract train eval card test test-all test-unit quality format clean
 
 venv: $(STAMP)
 
@@ -45,6 +46,12 @@ hero-run: $(STAMP)
 
 plan: $(STAMP)
 	$(STAGE) pipeline.plan --config $(CONFIG) $(ARGS)
+
+# Ratios measured side by side in one run (client vs bare loop, shard writer vs dd, bytes per
+# token vs the formula), written to runs/<name>/bench/results.md. Needs the verifier stage.
+bench: $(STAMP)
+	$(MAKE) verifier CONFIG=$(CONFIG)
+	$(STAGE) pipeline.bench --config $(CONFIG) $(ARGS)
 
 verifier: $(STAMP)
 	$(STAGE) pipeline.build_verifier --config $(CONFIG) $(ARGS)

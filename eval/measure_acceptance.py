@@ -22,11 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from eval.spec_decode_metrics import acceptance, scrape
 from pipeline.build_verifier import resolved_verifier
-from pipeline.chat_client import chat_completion
+from pipeline.chat_client import ChatClient
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.manifest import (
@@ -57,8 +55,13 @@ async def _send_all(endpoint: Endpoint, profile: Profile, rows: list[PromptRow],
     sem = asyncio.Semaphore(profile.eval.concurrency)
     results: dict[str, dict[str, Any]] = {}
     bar = progress(total=len(rows), desc=desc, unit="prompt")
-    timeout = httpx.Timeout(profile.generate.request_timeout_s, connect=30)
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    client = ChatClient(
+        endpoint.v1,
+        concurrency=profile.eval.concurrency,
+        request_timeout_s=profile.generate.request_timeout_s,
+        max_retries=profile.generate.max_retries,
+    )
+    async with client:
 
         async def one(row: PromptRow) -> None:
             body = {
@@ -70,9 +73,7 @@ async def _send_all(endpoint: Endpoint, profile: Profile, rows: list[PromptRow],
             }
             async with sem:
                 t0 = time.perf_counter()
-                reply = await chat_completion(
-                    client, endpoint.v1, body, max_retries=profile.generate.max_retries
-                )
+                reply = await client.complete(body)
                 latency = time.perf_counter() - t0
             results[row.id] = {
                 "source": row.source,

@@ -66,6 +66,15 @@ def atomic_write_bytes(path: Path, data: bytes, reserve_bytes: int = 0) -> None:
     fsync_dir(path.parent)
 
 
+def save_tensors_atomically(tensors: dict, path: Path, reserve_bytes: int = 0) -> int:
+    """Serialise ``tensors`` to safetensors and write them atomically; return the bytes."""
+    from safetensors.torch import save  # imported here: torch is heavy and most callers lack it
+
+    data = save(tensors)
+    atomic_write_bytes(path, data, reserve_bytes)
+    return len(data)
+
+
 def remove_temporaries(folder: Path) -> int:
     """Delete the ``.*.tmp`` files an interrupted writer left in ``folder``; return the count."""
     removed = 0

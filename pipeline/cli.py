@@ -25,14 +25,18 @@ def parse(stage: str, argv: list[str] | None) -> tuple[Profile, argparse.Namespa
     return load_profile(args.config, args.overrides), args
 
 
-def run_stage(stage: str, fn: Callable[[Profile], dict[str, Any]], argv: list[str] | None) -> None:
+def report(fn: Callable[[], dict[str, Any]]) -> None:
+    """Run a stage body: log setup, a user error as one line and exit 2, a summary on success."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
-        profile, _ = parse(stage, argv)
-        manifest = fn(profile)
+        manifest = fn()
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     summary = {k: manifest.get(k) for k in ("stage", "counts", "wall_time_s", "bytes")}
     print(json.dumps(summary))
+
+
+def run_stage(stage: str, fn: Callable[[Profile], dict[str, Any]], argv: list[str] | None) -> None:
+    report(lambda: fn(parse(stage, argv)[0]))

@@ -139,6 +139,8 @@ class GenerateConfig(StrictModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     request_timeout_s: float = Field(default=600, gt=0)
     max_retries: int = Field(default=5, ge=0)
+    # Finished records are fsynced in groups this often; a crash redoes at most this much work.
+    sync_every_s: float = Field(default=0.5, gt=0, le=60)
     # Passed as chat_template_kwargs, e.g. {"thinking": true} for reasoning verifiers.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     # A reply cut at max_tokens: keep it (and count it) or skip its conversation.

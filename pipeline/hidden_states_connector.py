@@ -12,7 +12,7 @@ disk leaves a short file behind, and it writes whatever the free space. The clas
 only the file write:
 
 - ``ReservedHiddenStatesConnector`` (CUDA): every shard is written with
-  :func:`pipeline.atomic_files.atomic_write_bytes` (temporary file, fsync, rename), and a shard
+  :func:`pipeline.atomic_files.save_tensors_atomically` (temporary file, fsync, rename), and a shard
   that would leave less than ``disk_reserve_bytes`` (kv_connector_extra_config) free is not
   written at all. A shard that is not written is logged and leaves no file; the client sees the
   file missing, skips the row, and the extract stage reports how much space it needs.
@@ -37,7 +37,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -45,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from pipeline.atomic_files import atomic_write_bytes
+from pipeline.atomic_files import save_tensors_atomically
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ STOCK_ATTRIBUTES = (
 def write_shard(tensors: dict[str, torch.Tensor], path: str, reserve_bytes: int) -> bool:
     """Write one hidden-state shard atomically; False (and no file) if it cannot be written."""
     try:
-        atomic_write_bytes(Path(path), save(tensors), reserve_bytes)
+        save_tensors_atomically(tensors, Path(path), reserve_bytes)
     except OSError as err:
         log.error("hidden-state shard %s not written: %s", path, err)
         return False

@@ -22,11 +22,19 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def run_logged(cmd: list[str], log_path: Path, error: type[PipelineError], what: str) -> None:
+def run_logged(
+    cmd: list[str],
+    log_path: Path,
+    error: type[PipelineError],
+    what: str,
+    env: dict[str, str] | None = None,
+) -> None:
     """Run ``cmd`` appending its output to ``log_path``; raise ``error`` if it fails."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("%s: %s (log %s)", what, " ".join(cmd), log_path)
     with open(log_path, "ab") as fh:
-        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False
+        ).returncode
     if code:
         raise error(f"{what} failed with status {code}; log {log_path}:\n{log_tail(log_path)}")

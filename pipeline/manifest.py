@@ -21,6 +21,8 @@ from pipeline.config import Profile
 from pipeline.errors import PipelineError
 
 STAGES = ("verifier", "generate", "extract", "train", "eval", "card")
+# Folders with a manifest that are not pipeline stages: `make bench` measures, it feeds nothing.
+FOLDERS = (*STAGES, "bench")
 
 # Distributions whose versions every manifest records.
 TRACKED_PACKAGES = (
@@ -73,8 +75,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def stage_dir(profile: Profile, stage: str) -> Path:
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    if stage not in FOLDERS:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(FOLDERS)}")
     return profile.run.run_dir / stage
 
 

@@ -30,14 +30,26 @@ def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
 
 
 @contextlib.contextmanager
-def watch(count: Callable[[], int], total: int, interval_s: float = 1.0, **kwargs: Any):
-    """Show a bar for work another process does, polling ``count()`` every ``interval_s``."""
-    bar = progress(total=total, **kwargs)
+def watch(
+    count: Callable[[], int],
+    total: int | Callable[[], int | None],
+    interval_s: float = 1.0,
+    **kwargs: Any,
+):
+    """Show a bar for work another process does, polling ``count()`` every ``interval_s``.
+
+    ``total`` may be a callable when only the other process knows it (None until it does).
+    """
+    total_now: Callable[[], int | None] = total if callable(total) else lambda: total
+    bar = progress(total=total_now(), **kwargs)
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.wait(interval_s):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
+                if (n := total_now()) is not None and n != bar.total:
+                    bar.total = n
+                    bar.refresh()
                 bar.update(count() - bar.n)
 
     thread = threading.Thread(target=poll, daemon=True)

@@ -8,14 +8,21 @@ speculators 0.9.0's trainer assumes an accelerator. When ``torch.accelerator`` r
 accelerator it changes nothing. Each patch names the speculators internal it replaces, and
 :func:`check_patch_targets` fails loudly (before any patching) when a speculators upgrade has
 moved one, rather than letting training silently run the unpatched code.
+
+When ``TRAIN_PROGRESS_FILE`` is set, rank 0 also keeps that file (JSON ``global_step`` and
+``total_steps``, replaced atomically at every logged step) so that the `train` stage, which runs
+this as a subprocess with its output in a log, can show a bar with rate and ETA.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import json
+import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -93,8 +100,57 @@ def adapt_to_cpu() -> bool:
     return True
 
 
+PROGRESS_FILE_ENV = "TRAIN_PROGRESS_FILE"
+METRICS_LOGGER = "speculators.metrics"  # speculators logs a dict per logged step here
+
+
+class StepFileHandler(logging.Handler):
+    """Writes the trainer's global step and the run's total steps to a small JSON file."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+        self.total_steps: int | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name != METRICS_LOGGER or not isinstance(record.msg, dict):
+            return
+        if "train" not in record.msg:  # a validation record, without a step
+            return
+        done = record.msg["global_step"] + 1
+        if self.total_steps is not None:  # a partial last batch can add a step to the count
+            done = min(done, self.total_steps)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        state = {"global_step": done, "total_steps": self.total_steps}
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.path)
+
+
+def report_steps(path: Path) -> None:
+    """Keep ``path`` up to date from speculators' metric records (rank 0 only)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    from speculators.train.trainer import Trainer
+
+    handler = StepFileHandler(path)
+    init = Trainer.__init__
+
+    def init_and_count_steps(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        total = self.config.num_epochs * len(self.train_loader)
+        if self.config.max_steps is not None:
+            total = min(total, self.config.max_steps)
+        handler.total_steps = total
+
+    Trainer.__init__ = init_and_count_steps
+    # On the root logger: speculators' dictConfig replaces the handlers of its own loggers.
+    logging.getLogger().addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> None:
     adapt_to_cpu()
+    if os.environ.get(PROGRESS_FILE_ENV):
+        report_steps(Path(os.environ[PROGRESS_FILE_ENV]))
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
 

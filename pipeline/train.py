@@ -20,6 +20,7 @@ frequencies of the supervised (assistant) tokens.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.logged_process import run_logged
 from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
+from pipeline.progress import watch
+from pipeline.speculators_train import PROGRESS_FILE_ENV
 
 ENTRY = "pipeline.speculators_train"
 
@@ -105,6 +108,15 @@ def final_checkpoint(save: Path) -> Path:
     return epochs[-1]
 
 
+def read_steps(path: Path) -> tuple[int, int | None]:
+    """(steps done, total steps) as the trainer last reported them; (0, None) before that."""
+    try:
+        state = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0, None
+    return state["global_step"], state["total_steps"]
+
+
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
     verifier = resolved_verifier(profile)
@@ -116,7 +128,14 @@ def run(profile: Profile) -> dict[str, Any]:
     )
     save = folder / "checkpoints"
     cmd = train_command(profile, verifier["model"], prepared, save)
-    run_logged(cmd, folder / "train.log", TrainError, "speculators training")
+    steps = folder / "progress.json"
+    with watch(
+        lambda: read_steps(steps)[0], lambda: read_steps(steps)[1], desc="train", unit="step"
+    ) as bar:
+        env = {**os.environ, PROGRESS_FILE_ENV: str(steps)}
+        run_logged(cmd, folder / "train.log", TrainError, "speculators training", env=env)
+        if bar.total:  # the steps after the last logged one
+            bar.update(bar.total - bar.n)
     drafter = final_checkpoint(save)
     config = json.loads((drafter / "config.json").read_text())
     if config["eagle_aux_hidden_state_layer_ids"] != profile.verifier.capture_layer_ids:
@@ -129,7 +148,7 @@ def run(profile: Profile) -> dict[str, Any]:
     outputs = {
         "drafter": str(drafter),
         "checkpoint": drafter.name,
-        "global_steps": state.get("global_step"),
+        "global_steps": state.get("global_step") or read_steps(steps)[1],
         "val_metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else None,
         "draft_vocab_size": config["draft_vocab_size"],
         "device": "cpu" if _no_accelerator() else "accelerator",

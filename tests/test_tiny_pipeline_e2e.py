@@ -102,3 +102,12 @@ def test_trained_drafter_beats_the_untrained_one_in_vllm(tiny_run, tmp_path):
         trained["mean_acceptance_length"],
         random_init["mean_acceptance_length"],
     )
+
+
+def test_train_reported_its_steps_for_the_progress_bar(tiny_run):
+    from pipeline.train import read_steps
+
+    done, total = read_steps(tiny_run.run.run_dir / "train" / "progress.json")
+    manifest = read_manifest(tiny_run, "train")
+    assert total == manifest["outputs"]["global_steps"]
+    assert total - tiny_run.train.log_every < done <= total
