@@ -22,6 +22,7 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GENERATION_TOKENS = "vllm:generation_tokens"
+PROMPT_TOKENS = "vllm:prompt_tokens"
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SpecDecodeCounters:
     draft_tokens: float = 0
     accepted: float = 0
     generation_tokens: float = 0
+    prompt_tokens: float = 0
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
 
     def __sub__(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
@@ -39,6 +41,7 @@ class SpecDecodeCounters:
             draft_tokens=self.draft_tokens - before.draft_tokens,
             accepted=self.accepted - before.accepted,
             generation_tokens=self.generation_tokens - before.generation_tokens,
+            prompt_tokens=self.prompt_tokens - before.prompt_tokens,
             accepted_per_pos={
                 p: self.accepted_per_pos.get(p, 0) - before.accepted_per_pos.get(p, 0)
                 for p in sorted(positions)
@@ -48,7 +51,7 @@ class SpecDecodeCounters:
 
 def parse_counters(text: str) -> SpecDecodeCounters:
     """Sum the spec-decode counters in a Prometheus exposition text."""
-    totals = {DRAFTS: 0.0, DRAFT_TOKENS: 0.0, ACCEPTED: 0.0, GENERATION_TOKENS: 0.0}
+    totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED, GENERATION_TOKENS, PROMPT_TOKENS), 0.0)
     per_pos: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         if family.type != "counter":
@@ -66,6 +69,7 @@ def parse_counters(text: str) -> SpecDecodeCounters:
         draft_tokens=totals[DRAFT_TOKENS],
         accepted=totals[ACCEPTED],
         generation_tokens=totals[GENERATION_TOKENS],
+        prompt_tokens=totals[PROMPT_TOKENS],
         accepted_per_pos=dict(sorted(per_pos.items())),
     )
 

@@ -154,6 +154,13 @@ class ExtractConfig(StrictModel):
     concurrency: PositiveInt = 8
     # Space that must stay free on the output volume; extraction stops before crossing it.
     disk_reserve_gib: float = Field(default=1.0, ge=0)
+    # offline: this stage stores every row's hidden states for training to read. online: it
+    # only tokenises; training runs its own extraction server and gets each row's hidden states
+    # on demand (speculators' --on-missing generate), storing none, recomputed every epoch.
+    mode: Literal["offline", "online"] = "offline"
+    # Stored hidden states in the verifier's dtype, or fp8 (e4m3, one fp32 scale per token,
+    # speculators' fp8 backend): half of bf16 on disk.
+    hidden_states_format: Literal["verifier_dtype", "fp8"] = "verifier_dtype"
 
 
 class TrainConfig(StrictModel):

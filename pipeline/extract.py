@@ -14,10 +14,16 @@ speculators' own data generation:
    ``prepared/hidden_states/hs_<row>.safetensors``: ``hidden_states`` [tokens, layers, hidden]
    for the capture layers plus the last layer (pre-final-norm), and ``token_ids``.
 
+Two profile switches change what is stored (the planner's remedies when hidden states would
+not fit): ``extract.hidden_states_format: fp8`` stores float8_e4m3fn with one float32 scale per
+token (half of bf16; speculators' fp8 backend reads it), and ``extract.mode: online`` stops
+after step 1: training then generates each row's hidden states on demand and stores none.
+
 Invariants:
 - captured layer ids are ``verifier.capture_layer_ids + [num_hidden_layers]``, the same ids
   that training and the drafter config receive (recorded in the manifest);
-- hidden-state bytes written equal tokens x layers x hidden size x dtype bytes (checked);
+- hidden-state bytes written equal tokens x layers x hidden size x element bytes (checked);
+  shards of one format are never added to shards of another;
 - every shard is written atomically (temporary file, fsync, rename) by the connector in
   ``pipeline/hidden_states_connector.py``, which writes no shard that would leave less than
   ``extract.disk_reserve_gib`` free; a crash or a full disk leaves no short shard under a real
@@ -45,10 +51,11 @@ from pipeline.errors import PipelineError
 from pipeline.logged_process import run_logged
 from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
 from pipeline.progress import watch
-from pipeline.vllm_server import vllm_server
+from pipeline.vllm_server import Endpoint, vllm_server
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
+FP8_SCALE_BYTES = 4
 CONNECTOR_MODULE = "pipeline.hidden_states_connector"
 
 
@@ -61,9 +68,26 @@ def captured_layer_ids(profile: Profile) -> list[int]:
     return [*profile.verifier.capture_layer_ids, profile.verifier.num_hidden_layers]
 
 
+def element_bytes(profile: Profile) -> int:
+    """Bytes per stored hidden-state value: 1 for fp8, else the verifier dtype's."""
+    if profile.extract.hidden_states_format == "fp8":
+        return 1
+    return DTYPE_BYTES[profile.verifier.dtype]
+
+
+def stored_dtype(profile: Profile) -> str:
+    return (
+        "float8_e4m3fn" if profile.extract.hidden_states_format == "fp8" else profile.verifier.dtype
+    )
+
+
 def bytes_per_token(profile: Profile, dtype_bytes: int | None = None) -> int:
-    """Hidden-state bytes one token costs: captured layers x hidden size x dtype bytes."""
-    width = dtype_bytes or DTYPE_BYTES[profile.verifier.dtype]
+    """Hidden-state bytes one token costs: captured layers x hidden size x element bytes.
+
+    fp8 shards also hold one float32 scale per token (FP8_SCALE_BYTES), and every shard holds
+    8 bytes of token id per token; neither is a hidden state, so neither is counted here.
+    """
+    width = dtype_bytes or element_bytes(profile)
     return len(captured_layer_ids(profile)) * profile.verifier.hidden_size * width
 
 
@@ -87,6 +111,7 @@ def server_flags(profile: Profile, staging: Path) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "shared_storage_path": str(staging),
             "disk_reserve_bytes": reserve_bytes(profile),
+            "hidden_states_format": profile.extract.hidden_states_format,
         },
     }
     spec = {
@@ -160,6 +185,25 @@ def hidden_state_bytes(hs_dir: Path) -> dict[str, int]:
     return {"files": count, "tokens": tokens, "hidden_state_bytes": payload, "file_bytes": files}
 
 
+NO_SHARDS = {"files": 0, "tokens": 0, "hidden_state_bytes": 0, "file_bytes": 0}
+
+
+def check_shard_format(hs_dir: Path, profile: Profile) -> None:
+    """Refuse to add shards of one format to shards of another (a changed profile)."""
+    first = next(hs_dir.glob("hs_*.safetensors"), None) if hs_dir.exists() else None
+    if first is None:
+        return
+    with safe_open(first, framework="pt") as f:
+        found = f.get_slice("hidden_states").get_dtype()
+    want = "F8_E4M3" if profile.extract.hidden_states_format == "fp8" else None
+    if (want and found != want) or (not want and found == "F8_E4M3"):
+        raise ExtractError(
+            f"{hs_dir} holds {found} shards from an earlier run, but the profile asks for "
+            f"extract.hidden_states_format={profile.extract.hidden_states_format}; delete "
+            f"{hs_dir} to extract again in the new format, or set the format back"
+        )
+
+
 def count_shards(hs_dir: Path) -> int:
     return sum(1 for _ in hs_dir.glob("hs_*.safetensors")) if hs_dir.exists() else 0
 
@@ -169,6 +213,51 @@ def clear_staging(staging: Path) -> None:
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
+
+
+def store_hidden_states(
+    profile: Profile, endpoint: Endpoint, folder: Path, stats: dict[str, int], expected: int
+) -> dict[str, int]:
+    """Run speculators' offline generation into ``prepared/hidden_states``; check it is whole."""
+    hs_dir = folder / "prepared" / "hidden_states"
+    reserve = reserve_bytes(profile)
+    check_shard_format(hs_dir, profile)
+    done = hidden_state_bytes(hs_dir) if hs_dir.exists() else NO_SHARDS
+    check_free_space(folder, expected - done["hidden_state_bytes"], reserve)
+    # speculators' output check cannot read fp8 on CPU (no aminmax kernel); our connector
+    # checks finiteness before quantising instead.
+    validate = [] if profile.extract.hidden_states_format == "fp8" else ["--validate-outputs"]
+    try:
+        with watch(lambda: count_shards(hs_dir), stats["rows"], desc="extract", unit="shard"):
+            speculators_cli(
+                "generate-offline-data",
+                "--endpoint", endpoint.v1,
+                "--preprocessed-data", str(folder / "prepared"),
+                "--concurrency", str(profile.extract.concurrency),
+                "--max-consecutive-errors", str(profile.extract.concurrency),
+                "--request-timeout", str(profile.generate.request_timeout_s),
+                "--max-retries", str(profile.generate.max_retries),
+                *validate,
+                log_path=folder / "generate-offline-data.log",
+            )  # fmt: skip
+    except ExtractError as err:
+        failure: ExtractError | None = err
+    else:
+        failure = None
+    written = hidden_state_bytes(hs_dir)
+    if written["hidden_state_bytes"] != expected or written["files"] != stats["rows"]:
+        progress_note = f"{written['files']} of {stats['rows']} shards are written and kept; "
+        # Shards the connector refused for the reserve leave no file: say how much to free.
+        check_free_space(
+            folder, expected - written["hidden_state_bytes"], reserve, done=progress_note
+        )
+        raise ExtractError(
+            f"hidden states incomplete: {written['files']} of {stats['rows']} shards, "
+            f"{written['hidden_state_bytes']} of {expected} bytes; see "
+            f"{folder / 'generate-offline-data.log'} and {folder / 'vllm.log'}; "
+            "rerun `make extract` to resume"
+        ) from failure
+    return written
 
 
 def run(profile: Profile) -> dict[str, Any]:
@@ -186,7 +275,6 @@ def run(profile: Profile) -> dict[str, Any]:
     prepared = folder / "prepared"
     hs_dir = prepared / "hidden_states"
     layer_ids = captured_layer_ids(profile)
-    reserve = reserve_bytes(profile)
     clear_staging(folder / "staging")
     if hs_dir.exists():
         remove_temporaries(hs_dir)
@@ -212,46 +300,22 @@ def run(profile: Profile) -> dict[str, Any]:
                 log_path=folder / "prepare-data.log",
             )  # fmt: skip
         stats = prepared_stats(prepared, profile.extract.max_seq_len)
-        done = hidden_state_bytes(hs_dir) if hs_dir.exists() else {"hidden_state_bytes": 0}
         expected = stats["tokens"] * bytes_per_token(profile)
-        check_free_space(folder, expected - done["hidden_state_bytes"], reserve)
-        try:
-            with watch(lambda: count_shards(hs_dir), stats["rows"], desc="extract", unit="shard"):
-                speculators_cli(
-                    "generate-offline-data",
-                    "--endpoint", endpoint.v1,
-                    "--preprocessed-data", str(prepared),
-                    "--concurrency", str(profile.extract.concurrency),
-                    "--max-consecutive-errors", str(profile.extract.concurrency),
-                    "--request-timeout", str(profile.generate.request_timeout_s),
-                    "--max-retries", str(profile.generate.max_retries),
-                    "--validate-outputs",
-                    log_path=folder / "generate-offline-data.log",
-                )  # fmt: skip
-        except ExtractError as err:
-            failure: ExtractError | None = err
+        if profile.extract.mode == "online":
+            # Training generates the missing rows' hidden states on demand; shards an earlier
+            # offline run stored are used as they are (speculators' hybrid mode).
+            written = hidden_state_bytes(hs_dir) if hs_dir.exists() else NO_SHARDS
+            expected = written["hidden_state_bytes"]
         else:
-            failure = None
-    written = hidden_state_bytes(hs_dir)
-    if written["hidden_state_bytes"] != expected or written["files"] != stats["rows"]:
-        progress_note = f"{written['files']} of {stats['rows']} shards are written and kept; "
-        # Shards the connector refused for the reserve leave no file: say how much to free.
-        check_free_space(
-            folder, expected - written["hidden_state_bytes"], reserve, done=progress_note
-        )
-        raise ExtractError(
-            f"hidden states incomplete: {written['files']} of {stats['rows']} shards, "
-            f"{written['hidden_state_bytes']} of {expected} bytes; see "
-            f"{folder / 'generate-offline-data.log'} and {folder / 'vllm.log'}; "
-            "rerun `make extract` to resume"
-        ) from failure
+            written = store_hidden_states(profile, endpoint, folder, stats, expected)
     outputs = {
+        "mode": profile.extract.mode,
         "prepared": "prepared",
         "hidden_states": "prepared/hidden_states",
         "token_freq": "prepared/token_freq.pt",
         "captured_layer_ids": layer_ids,
         "hidden_size": profile.verifier.hidden_size,
-        "dtype": profile.verifier.dtype,
+        "dtype": stored_dtype(profile),
         "bytes_per_token": bytes_per_token(profile),
         **stats,
         **written,

@@ -14,8 +14,9 @@ only the file write:
 - ``ReservedHiddenStatesConnector`` (CUDA): every shard is written with
   :func:`pipeline.atomic_files.save_tensors_atomically` (temporary file, fsync, rename), and a shard
   that would leave less than ``disk_reserve_bytes`` (kv_connector_extra_config) free is not
-  written at all. A shard that is not written is logged and leaves no file; the client sees the
-  file missing, skips the row, and the extract stage reports how much space it needs.
+  written at all. With ``hidden_states_format: fp8`` shards are quantised (per-token scale) in
+  speculators' fp8 layout. A shard that is not written is logged and leaves no file; the client
+  sees the file missing, skips the row, and the extract stage reports how much space it needs.
 - ``CpuHiddenStatesConnector`` (CPU-only vLLM builds): the same write, plus a host-memory save
   path, because the stock one copies device->host with CUDA streams, events and pinned memory,
   which the CPU build does not have (``pin_memory=True`` raises on the first request). On CPU the
@@ -37,6 +38,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -64,8 +66,22 @@ STOCK_ATTRIBUTES = (
 )
 
 
-def write_shard(tensors: dict[str, torch.Tensor], path: str, reserve_bytes: int) -> bool:
-    """Write one hidden-state shard atomically; False (and no file) if it cannot be written."""
+def write_shard(
+    tensors: dict[str, torch.Tensor], path: str, reserve_bytes: int, fp8: bool = False
+) -> bool:
+    """Write one hidden-state shard atomically; False (and no file) if it cannot be written.
+
+    With ``fp8`` the hidden states are stored as float8_e4m3fn with one float32 scale per token
+    (``hidden_states_scales``), the layout speculators' fp8 backend reads back. Non-finite
+    hidden states are refused first: a scale would hide them.
+    """
+    hidden_states = tensors["hidden_states"]
+    if not bool(torch.isfinite(hidden_states).all()):
+        log.error("hidden-state shard %s not written: non-finite hidden states", path)
+        return False
+    if fp8:
+        quantised, scales = quantize_tensor_to_fp8(hidden_states)
+        tensors = {**tensors, "hidden_states": quantised, SCALES_KEY: scales}
     try:
         save_tensors_atomically(tensors, Path(path), reserve_bytes)
     except OSError as err:
@@ -81,12 +97,13 @@ class ReservedHiddenStatesConnector(ExampleHiddenStatesConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.get_from_extra_config
         self._disk_reserve_bytes = int(extra("disk_reserve_bytes", 0))
+        self._fp8 = extra("hidden_states_format", "verifier_dtype") == "fp8"
 
     def _write_and_unlock(
         self, tensors: dict[str, torch.Tensor], path: str, lock_fd: int | None
     ) -> None:
         try:
-            write_shard(tensors, path, self._disk_reserve_bytes)
+            write_shard(tensors, path, self._disk_reserve_bytes, self._fp8)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: the client may read (or miss) the file

@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline.config import MachineProfile, Profile, load_profile
 from pipeline.errors import PipelineError
-from pipeline.extract import DTYPE_BYTES, bytes_per_token, captured_layer_ids
+from pipeline.extract import bytes_per_token, captured_layer_ids, element_bytes
 from pipeline.manifest import StageInputError, read_manifest
 from pipeline.prompts import load_rows, resolve_local
 
@@ -112,11 +112,60 @@ def phase_hours(
     if local and "extract_tokens_per_s" in figures:
         ext_rate = figures["extract_tokens_per_s"].value
     steps = tokens * profile.train.epochs / profile.plan.train_tokens_per_step
+    # Online, hidden states are generated again for every epoch, alongside training.
+    passes = profile.train.epochs if profile.extract.mode == "online" else 1
     return {
         "inference": completion_tokens / gen_rate / 3600,
-        "extraction": tokens / ext_rate / 3600,
+        "extraction": passes * tokens / ext_rate / 3600,
         "training": steps / machine.train_steps_per_s / 3600,
     }
+
+
+def remedies_for(
+    profile: Profile, samples: int, per_sample: float, budget: float, local: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Each profile switch that shrinks the stored hidden states, with its figures."""
+    bpt = bytes_per_token(profile)
+    tokens = samples * per_sample
+    fit_len = max(0, int(budget / bpt / samples)) if samples else 0
+    fit_samples = max(0, int(budget / bpt / per_sample)) if per_sample else 0
+    extraction = local["hours"]["extraction"]
+    remedies = [
+        {
+            "remedy": "online training: hidden states generated on demand each epoch, none "
+            f"stored; extraction {duration(extraction * profile.train.epochs)} on "
+            f"{local['name']} instead of {duration(extraction)}",
+            "hidden_state_bytes": 0,
+            "fits": budget >= 0,
+            "switch": "extract.mode=online",
+        },
+        {
+            "remedy": f"shorter sequences: at most {fit_len} tokens per sample",
+            "hidden_state_bytes": samples * min(per_sample, fit_len) * bpt,
+            "fits": fit_len > 0,
+            "switch": f"extract.max_seq_len={fit_len}",
+        },
+        {
+            "remedy": f"fewer samples: {fit_samples}",
+            "hidden_state_bytes": fit_samples * per_sample * bpt,
+            "fits": fit_samples > 0,
+            "switch": f"data.max_samples={fit_samples}",
+        },
+    ]
+    if profile.extract.mode == "online":
+        remedies.pop(0)
+    if profile.extract.hidden_states_format != "fp8":
+        fp8 = tokens * bytes_per_token(profile, dtype_bytes=1)
+        remedies.insert(
+            len(remedies) - 2,
+            {
+                "remedy": "fp8 hidden states (e4m3 with a per-token scale; half of bf16)",
+                "hidden_state_bytes": fp8,
+                "fits": fp8 <= budget,
+                "switch": "extract.hidden_states_format=fp8",
+            },
+        )
+    return remedies
 
 
 def build_plan(profile: Profile) -> dict[str, Any]:
@@ -125,7 +174,7 @@ def build_plan(profile: Profile) -> dict[str, Any]:
     per_sample = min(figures["tokens_per_sample"].value, profile.extract.max_seq_len)
     tokens = samples * per_sample
     bpt = bytes_per_token(profile)
-    hidden = tokens * bpt
+    hidden = tokens * bpt if profile.extract.mode == "offline" else 0
     volume, free = free_bytes(profile.run.output_dir)
     volume_name = f"{volume} (measured)"
     if profile.plan.target_volume_free_tb is not None:
@@ -149,35 +198,7 @@ def build_plan(profile: Profile) -> dict[str, Any]:
         )
     remedies = []
     if hidden > budget:
-        fp8 = tokens * bytes_per_token(profile, dtype_bytes=1)
-        fit_len = int(budget / bpt / samples) if samples else 0
-        fit_samples = int(budget / bpt / per_sample) if per_sample else 0
-        remedies = [
-            {
-                "remedy": "fp8 hidden states (half of bf16)",
-                "hidden_state_bytes": fp8,
-                "fits": fp8 <= budget,
-                "switch": "not yet a profile switch (speculators' fp8 hidden-states backend)",
-            },
-            {
-                "remedy": "online training (hidden states generated on demand, none stored)",
-                "hidden_state_bytes": 0,
-                "fits": True,
-                "switch": "not yet a profile switch (speculators' --on-missing generate)",
-            },
-            {
-                "remedy": f"shorter sequences: at most {fit_len} tokens per sample",
-                "hidden_state_bytes": samples * min(per_sample, fit_len) * bpt,
-                "fits": fit_len > 0,
-                "switch": f"extract.max_seq_len={fit_len}",
-            },
-            {
-                "remedy": f"fewer samples: {fit_samples}",
-                "hidden_state_bytes": fit_samples * per_sample * bpt,
-                "fits": fit_samples > 0,
-                "switch": f"data.max_samples={fit_samples}",
-            },
-        ]
+        remedies = remedies_for(profile, samples, per_sample, budget, machines[0])
     return {
         "samples": samples,
         "tokens_per_sample": figures["tokens_per_sample"],
@@ -216,7 +237,7 @@ def render(plan: dict[str, Any], profile: Profile) -> str:
         f"  total tokens            {plan['total_tokens']:,.0f}",
         f"  bytes per token         {plan['bytes_per_token']:,} "
         f"({len(captured_layer_ids(profile))} layers x "
-        f"{profile.verifier.hidden_size} x {DTYPE_BYTES[profile.verifier.dtype]} bytes)",
+        f"{profile.verifier.hidden_size} x {element_bytes(profile)} bytes)",
         f"  hidden states           {size(plan['hidden_state_bytes'])}",
         f"  free space              {size(plan['free_bytes'])} on {plan['volume']} "
         f"(reserve {size(plan['reserve_bytes'])}): {'fits' if plan['fits'] else 'DOES NOT FIT'}",
@@ -232,7 +253,7 @@ def render(plan: dict[str, Any], profile: Profile) -> str:
             f"  {m['name']:<28}{duration(h['inference']):>10}{duration(h['extraction']):>10}"
             f"{duration(h['training']):>10}{duration(m['total_hours']):>10}{cost:>10}"
         )
-    if len(plan["machines"]) > 1:
+    if len(plan["machines"]) > 1 and plan["hidden_state_bytes"]:
         rental = plan["machines"][1]
         lines.append(
             f"  on {rental['name']}: transfer the hidden states "

@@ -8,6 +8,11 @@ where speculators also writes the draft-vocabulary maps) and `verifier`; writes
 loadable by vLLM as ``method: eagle3``), the trainer's log, and a manifest naming the drafter
 checkpoint and the verifier, capture layers and chat template it was trained against.
 
+With ``extract.mode: online`` extract stored no hidden states: this stage serves the verifier
+as an extraction server (the same flags as extract) for the whole run, and speculators generates
+each row's hidden states on demand (``--on-missing generate``) and deletes them once loaded. With
+``extract.hidden_states_format: fp8`` speculators' fp8 backend dequantises the shards.
+
 One device by default (``python -m pipeline.speculators_train``); ``train.num_devices > 1``
 launches the same entry point through torchrun. speculators resumes from the newest checkpoint
 in the save path, so a rerun after a crash continues instead of starting over.
@@ -19,19 +24,23 @@ frequencies of the supervised (assistant) tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from eval.spec_decode_metrics import scrape
 from pipeline.build_verifier import resolved_verifier
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
+from pipeline.extract import clear_staging, server_flags
 from pipeline.logged_process import run_logged
 from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
 from pipeline.progress import watch
 from pipeline.speculators_train import PROGRESS_FILE_ENV
+from pipeline.vllm_server import vllm_server
 
 ENTRY = "pipeline.speculators_train"
 
@@ -50,8 +59,25 @@ def launcher(num_devices: int) -> list[str]:
     ]  # fmt: skip
 
 
-def train_command(profile: Profile, verifier: str, prepared: Path, save: Path) -> list[str]:
+def train_command(
+    profile: Profile,
+    verifier: str,
+    prepared: Path,
+    save: Path,
+    online_v1: str | None = None,
+    fp8: bool = False,
+) -> list[str]:
+    """speculators' training command; ``online_v1``: the extraction server for online mode,
+    ``fp8``: the stored shards are fp8 (extract's manifest says which)."""
     t, v = profile.train, profile.verifier
+    if online_v1:
+        hidden_states = ["--on-missing", "generate", "--vllm-endpoint", online_v1,
+                         "--request-timeout", str(profile.generate.request_timeout_s),
+                         "--max-retries", str(profile.generate.max_retries)]  # fmt: skip
+    else:
+        hidden_states = ["--on-missing", "raise"]
+    if fp8:
+        hidden_states += ["--hidden-states-backend", "fp8"]
     hidden_dtype = "float32" if v.dtype == "float32" else "bfloat16"
     cmd = [
         *launcher(t.num_devices),
@@ -70,7 +96,7 @@ def train_command(profile: Profile, verifier: str, prepared: Path, save: Path) -
         "--draft-attn-impl", t.draft_attn_impl,
         "--loss-implementation", t.loss_implementation,
         "--num-workers", str(t.num_workers),
-        "--on-missing", "raise",
+        *hidden_states,
         "--seed", str(profile.run.seed),
         "--log-freq", str(t.log_every),
         "--save-path", str(save),
@@ -127,15 +153,36 @@ def run(profile: Profile) -> dict[str, Any]:
         stage_dir(profile, "extract") / extract["outputs"]["prepared"], folder / "data"
     )
     save = folder / "checkpoints"
-    cmd = train_command(profile, verifier["model"], prepared, save)
     steps = folder / "progress.json"
-    with watch(
-        lambda: read_steps(steps)[0], lambda: read_steps(steps)[1], desc="train", unit="step"
-    ) as bar:
+    with contextlib.ExitStack() as stack:
+        online = None
+        if extract["outputs"].get("mode") == "online":
+            staging = folder / "online-staging"
+            clear_staging(staging)
+            server = vllm_server(
+                profile,
+                verifier["model"],
+                folder / "vllm.log",
+                **server_flags(profile, staging),
+            )
+            online = stack.enter_context(server)
+        fp8 = extract["outputs"]["dtype"] == "float8_e4m3fn"
+        online_v1 = online.v1 if online else None
+        cmd = train_command(profile, verifier["model"], prepared, save, online_v1, fp8)
+        bar = stack.enter_context(
+            watch(
+                lambda: read_steps(steps)[0],
+                lambda: read_steps(steps)[1],
+                desc="train",
+                unit="step",
+            )
+        )
         env = {**os.environ, PROGRESS_FILE_ENV: str(steps)}
         run_logged(cmd, folder / "train.log", TrainError, "speculators training", env=env)
         if bar.total:  # the steps after the last logged one
             bar.update(bar.total - bar.n)
+        # Tokens the extraction server ran for training: the measured cost of online mode.
+        generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
     drafter = final_checkpoint(save)
     config = json.loads((drafter / "config.json").read_text())
     if config["eagle_aux_hidden_state_layer_ids"] != profile.verifier.capture_layer_ids:
@@ -153,6 +200,11 @@ def run(profile: Profile) -> dict[str, Any]:
         "draft_vocab_size": config["draft_vocab_size"],
         "device": "cpu" if _no_accelerator() else "accelerator",
         "command": cmd,
+        "hidden_states": {
+            "mode": extract["outputs"].get("mode", "offline"),
+            "dtype": extract["outputs"]["dtype"],
+            "tokens_generated_online": generated_tokens,
+        },
         "verifier": {
             "model": verifier["model"],
             "capture_layer_ids": profile.verifier.capture_layer_ids,

@@ -35,16 +35,29 @@ def test_team_figures_from_their_inputs():
 
 def test_remedies_come_with_figures_and_switches_that_fit():
     plan = build_plan(load_profile(KIMI, ON_3TB))
-    by_switch = {r["switch"].split("=")[0]: r for r in plan["remedies"]}
-    fewer = by_switch["data.max_samples"]
-    shorter = by_switch["extract.max_seq_len"]
     budget = plan["free_bytes"] - plan["reserve_bytes"]
-    assert fewer["fits"] and fewer["hidden_state_bytes"] <= budget
-    assert shorter["fits"] and shorter["hidden_state_bytes"] <= budget
-    n = int(fewer["switch"].split("=")[1])
-    assert build_plan(load_profile(KIMI, [*ON_3TB, f"data.max_samples={n}"]))["fits"]
-    fp8 = next(r for r in plan["remedies"] if r["remedy"].startswith("fp8"))
+    switches = [r["switch"] for r in plan["remedies"]]
+    assert [s.split("=")[0] for s in switches] == [
+        "extract.mode",
+        "extract.hidden_states_format",
+        "extract.max_seq_len",
+        "data.max_samples",
+    ]
+    for remedy in plan["remedies"]:
+        assert remedy["fits"] and remedy["hidden_state_bytes"] <= budget, remedy
+        # Each switch is a real profile field: applied, the run fits.
+        assert build_plan(load_profile(KIMI, [*ON_3TB, remedy["switch"]]))["fits"], remedy
+    fp8 = plan["remedies"][1]
     assert fp8["hidden_state_bytes"] == plan["hidden_state_bytes"] // 2
+
+
+def test_online_stores_nothing_and_extracts_every_epoch():
+    offline = build_plan(load_profile(KIMI, ON_3TB))
+    online = build_plan(load_profile(KIMI, [*ON_3TB, "extract.mode=online"]))
+    assert online["hidden_state_bytes"] == 0 and online["fits"] and not online["remedies"]
+    epochs = load_profile(KIMI).train.epochs
+    for off, on in zip(offline["machines"], online["machines"], strict=True):
+        assert on["hours"]["extraction"] == pytest.approx(epochs * off["hours"]["extraction"])
 
 
 def test_check_refuses_to_start_and_prints_the_table():
