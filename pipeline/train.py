@@ -163,6 +163,7 @@ def run(profile: Profile) -> dict[str, Any]:
                 profile,
                 verifier["model"],
                 folder / "vllm.log",
+                use_base_url=False,  # server.base_url is a deployment, not an extraction server
                 **server_flags(profile, staging),
             )
             online = stack.enter_context(server)
