@@ -164,6 +164,7 @@ def run(profile: Profile) -> dict[str, Any]:
                 verifier["model"],
                 folder / "vllm.log",
                 use_base_url=False,  # server.base_url is a deployment, not an extraction server
+                served_model_name=verifier["model"],  # the name speculators asks for
                 **server_flags(profile, staging),
             )
             online = stack.enter_context(server)

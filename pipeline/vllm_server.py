@@ -71,13 +71,14 @@ def server_command(
     speculative_config: dict[str, Any] | None = None,
     kv_transfer_config: dict[str, Any] | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
+    served_model_name: str = "verifier",
 ) -> list[str]:
     """The vLLM command line for this profile: one place, for every stage and every machine."""
     s, v = profile.server, profile.verifier
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
-        "--served-model-name", "verifier",
+        "--served-model-name", served_model_name,
         "--host", s.host,
         "--port", str(port),
         "--dtype", v.dtype,
@@ -184,6 +185,7 @@ def vllm_server(
     log_path: Path,
     *,
     use_base_url: bool = True,
+    served_model_name: str = "verifier",
     **command_kwargs: Any,
 ) -> Iterator[Endpoint]:
     """Yield an Endpoint: the profile's base_url if set, else a server started here."""
@@ -193,7 +195,9 @@ def vllm_server(
         yield Endpoint(base_url=base, model=served_model(base), started_here=False)
         return
     port = profile.server.port or free_port(profile.server.host)
-    cmd = server_command(profile, model, port, **command_kwargs)
+    cmd = server_command(
+        profile, model, port, served_model_name=served_model_name, **command_kwargs
+    )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "ab") as log_file:
@@ -209,7 +213,11 @@ def vllm_server(
     try:
         wait_until_healthy(base, profile.server.startup_timeout_s, proc, log_path)
         yield Endpoint(
-            base_url=base, model="verifier", started_here=True, log_path=log_path, pid=proc.pid
+            base_url=base,
+            model=served_model_name,
+            started_here=True,
+            log_path=log_path,
+            pid=proc.pid,
         )
     finally:
         _stop(proc)
