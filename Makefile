@@ -3,11 +3,13 @@
 #   make test                               the default test run (CI runs exactly this)
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
 #   make bench                              measured ratios, runs/tiny/bench/results.md
+#   make eval BASE_URL=http://host:8000     acceptance of a running deployment
 # Every target installs what it needs into .venv first.
 
 SHELL := /bin/bash
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
+BASE_URL ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -65,8 +67,9 @@ extract: $(STAMP)
 train: $(STAMP)
 	$(STAGE) pipeline.train --config $(CONFIG) $(ARGS)
 
+# BASE_URL=http://host:port measures a deployment that is already running, starting nothing.
 eval: $(STAMP)
-	$(STAGE) eval.measure_acceptance --config $(CONFIG) $(ARGS)
+	$(STAGE) eval.measure_acceptance --config $(CONFIG) $(if $(BASE_URL),server.base_url=$(BASE_URL)) $(ARGS)
 
 card: $(STAMP)
 	$(STAGE) model_card.render --config $(CONFIG) $(ARGS)

@@ -185,9 +185,35 @@ class TrainConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    num_speculative_tokens: PositiveInt = 3
+    # Draft tokens per step to sweep; vLLM fixes k when it starts, so each k is its own server.
+    num_speculative_tokens: list[PositiveInt] = Field(default=[1, 2, 3, 4, 5], min_length=1)
+    # Drafters measured against the paired run without speculation, on the same server flags.
+    methods: list[Literal["ngram", "eagle3"]] = Field(default=["ngram", "eagle3"], min_length=1)
+    # Requests in flight; the first level should be 1 (Spec-Bench's batch size 1), where
+    # acceptance is also measured per category.
+    concurrency: list[PositiveInt] = Field(default=[1, 16], min_length=1)
     max_tokens: PositiveInt = 256
-    concurrency: PositiveInt = 1
+    # vLLM's ngram (prompt lookup) drafter: n-gram sizes it matches against the prompt.
+    ngram_prompt_lookup_min: PositiveInt = 2
+    ngram_prompt_lookup_max: PositiveInt = 4
+    # Spec-Bench's or MT-bench's question.jsonl (question_id, category, turns) to measure
+    # instead of data.eval_dataset; the first turn of each question is sent.
+    question_file: Path | None = None
+    # Losslessness through lm-eval's local-completions model, with and without the drafter;
+    # an empty list skips it. The default task is built from data.eval_dataset (chrF of the
+    # greedy continuation of each reference answer); Hub task names need their data cached.
+    lm_eval_tasks: list[str] = Field(default_factory=lambda: ["eval_reference_continuation"])
+    lm_eval_limit: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _no_repeats(self) -> EvalConfig:
+        for name in ("num_speculative_tokens", "concurrency"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"eval.{name} lists a value twice: {values}")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError("eval.ngram_prompt_lookup_min is above ngram_prompt_lookup_max")
+        return self
 
 
 class MachineProfile(StrictModel):

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_profile
+from tests.helpers import TEST_OVERRIDES
 
 REPO = Path(__file__).parent.parent
 
@@ -24,13 +25,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
-
-
-# The demo's training data; fewer, shorter eval prompts keep the default test run in budget.
-TEST_OVERRIDES = [
-    "data.eval_max_samples=24",
-    "eval.max_tokens=64",
-]
 
 
 @pytest.fixture(scope="session")

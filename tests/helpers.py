@@ -12,6 +12,12 @@ import pytest
 
 from pipeline.config import Profile
 
+# The demo's training data; fewer, shorter eval prompts keep the default test run in budget.
+TEST_OVERRIDES = [
+    "data.eval_max_samples=24",
+    "eval.max_tokens=64",
+]
+
 
 @contextlib.contextmanager
 def small_volume(path: Path, size_bytes: int):
