@@ -222,8 +222,9 @@ def check_drafter_matches(profile: Profile, train_outputs: dict[str, Any]) -> No
         )
 
 
-def check_acceptance(arm: Arm, level: dict[str, Any]) -> None:
-    """An EAGLE-3 (or served) arm that drafted nothing or had nothing accepted is miswired."""
+def check_acceptance(arm: Arm, level: dict[str, Any], min_length: float) -> None:
+    """An EAGLE-3 (or served) arm that drafted nothing, or whose acceptance length is what an
+    untrained or miswired drafter gives (about 1.0), is an error, not a result."""
     if arm.method not in ("eagle3", "served"):
         return
     where = f"{arm.label} at concurrency {level['concurrency']}"
@@ -233,10 +234,13 @@ def check_acceptance(arm: Arm, level: dict[str, Any]) -> None:
             f"{where}: the drafter ran no draft step (vLLM's spec-decode counters did not move); "
             "check that --speculative-config reached the server (method 'eagle3') and its log"
         )
-    if acc["accepted_tokens"] == 0:
+    length = acc["mean_acceptance_length"]
+    if acc["accepted_tokens"] == 0 or length < min_length:
         raise EvalError(
-            f"{where}: 0 accepted tokens (mean acceptance length exactly 1.0): check the drafter's "
-            "capture-layer ids, its verifier and draft vocabulary, and that it trained"
+            f"{where}: {acc['accepted_tokens']} accepted tokens in {acc['drafts']} drafts, mean "
+            f"acceptance length {length:.4f}, below eval.min_acceptance_length={min_length}: "
+            "what an untrained or miswired drafter gives. Check the drafter's capture-layer ids, "
+            "its verifier and draft vocabulary, and that it trained"
         )
 
 
@@ -413,7 +417,7 @@ def run(profile: Profile) -> dict[str, Any]:
             levels = []
             for concurrency in profile.eval.concurrency:
                 level = measure_level(endpoint, profile, prompts, arm, concurrency)
-                check_acceptance(arm, level)
+                check_acceptance(arm, level, profile.eval.min_acceptance_length)
                 levels.append(level)
             if arm in lm_eval_arms:
                 lm_scores[arm.method] = lossless_lm_eval.score(

@@ -193,6 +193,9 @@ class EvalConfig(StrictModel):
     # acceptance is also measured per category.
     concurrency: list[PositiveInt] = Field(default=[1, 16], min_length=1)
     max_tokens: PositiveInt = 256
+    # Below this mean acceptance length an EAGLE-3 arm is an error: an untrained or miswired
+    # drafter gives about 1.0 (the wrong method name, wrong capture layers).
+    min_acceptance_length: float = Field(default=1.1, ge=1)
     # vLLM's ngram (prompt lookup) drafter: n-gram sizes it matches against the prompt.
     ngram_prompt_lookup_min: PositiveInt = 2
     ngram_prompt_lookup_max: PositiveInt = 4
