@@ -189,8 +189,8 @@ class EvalConfig(StrictModel):
     num_speculative_tokens: list[PositiveInt] = Field(default=[1, 2, 3, 4, 5], min_length=1)
     # Drafters measured against the paired run without speculation, on the same server flags.
     methods: list[Literal["ngram", "eagle3"]] = Field(default=["ngram", "eagle3"], min_length=1)
-    # Requests in flight; the first level should be 1 (Spec-Bench's batch size 1), where
-    # acceptance is also measured per category.
+    # Requests in flight; must include 1 (Spec-Bench's batch size 1), where acceptance is also
+    # measured per category and the headline is taken.
     concurrency: list[PositiveInt] = Field(default=[1, 16], min_length=1)
     max_tokens: PositiveInt = 256
     # Below this mean acceptance length an EAGLE-3 arm is an error: an untrained or miswired
@@ -214,6 +214,8 @@ class EvalConfig(StrictModel):
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise ValueError(f"eval.{name} lists a value twice: {values}")
+        if 1 not in self.concurrency:
+            raise ValueError(f"eval.concurrency must include 1 (batch size 1): {self.concurrency}")
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
             raise ValueError("eval.ngram_prompt_lookup_min is above ngram_prompt_lookup_max")
         return self

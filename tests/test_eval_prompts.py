@@ -89,5 +89,7 @@ def test_the_shipped_eval_set_is_held_out_from_the_shipped_training_set(tmp_path
 def test_eval_sweeps_are_validated():
     with pytest.raises(ConfigError, match="lists a value twice"):
         load_profile(TINY, ["eval.num_speculative_tokens=[2, 2]"])
+    with pytest.raises(ConfigError, match="must include 1"):
+        load_profile(TINY, ["eval.concurrency=[4, 8]"])
     with pytest.raises(ConfigError, match="methods"):
         load_profile(TINY, ["eval.methods=[medusa]"])
