@@ -276,10 +276,15 @@ def ratio(base_tpot: float | None, figs: dict[str, Any]) -> float | None:
     return base_tpot / tpot if base_tpot and tpot else None
 
 
+def batch_size_one(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's level at concurrency 1 (eval.concurrency always includes it)."""
+    return next(lv for lv in run["levels"] if lv["concurrency"] == 1)
+
+
 def headline(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The EAGLE-3 (or served) arm at concurrency 1 with the best speedup, ngram's at its k."""
     candidates = [r for r in runs if r["method"] in ("eagle3", "served")]
-    at_one = [(r, next(lv for lv in r["levels"] if lv["concurrency"] == 1)) for r in candidates]
+    at_one = [(r, batch_size_one(r)) for r in candidates]
     run, level = max(
         at_one,
         key=lambda rl: (rl[1].get("speedup") or 0, rl[1]["acceptance"]["mean_acceptance_length"]),
@@ -294,14 +299,14 @@ def headline(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "speedup" in level:
         baseline = next(r for r in runs if r["method"] == "baseline")
-        base = next(lv for lv in baseline["levels"] if lv["concurrency"] == 1)
+        base = batch_size_one(baseline)
         summary["baseline_time_per_output_token_s"] = base["time_per_output_token_s"]
         summary["speedup"] = level["speedup"]
         summary["greedy_outputs_identical"] = not level["mismatched_prompt_ids"]
         summary["mismatched_prompt_ids"] = level["mismatched_prompt_ids"]
     ngram = next((r for r in runs if r["method"] == "ngram" and r["k"] == run["k"]), None)
     if ngram is not None:
-        ngram_level = next(lv for lv in ngram["levels"] if lv["concurrency"] == 1)
+        ngram_level = batch_size_one(ngram)
         length = (ngram_level["acceptance"] or {}).get("mean_acceptance_length")
         summary["ngram_mean_acceptance_length"] = length
         summary["eagle3_over_ngram_acceptance_length"] = (
@@ -375,7 +380,7 @@ def per_category_table(runs: list[dict[str, Any]], k: int) -> dict[str, Any]:
     for run in runs:
         if run["k"] != k:
             continue
-        level = next(lv for lv in run["levels"] if lv["concurrency"] == 1)
+        level = batch_size_one(run)
         for cat, figs in level.get("per_category", {}).items():
             row = table.setdefault(
                 cat, {"prompts": figs["prompts"], "mean_acceptance_length": {}, "speedup": {}}
@@ -443,11 +448,9 @@ def run(profile: Profile) -> dict[str, Any]:
     k = summary["num_speculative_tokens"]
     results["per_category"] = per_category_table(runs, k)
     drafted = [
-        {"method": r["method"], "k": r["k"] or summary["num_speculative_tokens"], **lv}
+        {"method": r["method"], "k": r["k"] or k, **batch_size_one(r)}
         for r in runs
-        if r["method"] != "baseline"
-        for lv in r["levels"]
-        if lv["concurrency"] == 1 and lv["acceptance"] and lv["acceptance"]["drafts"]
+        if r["method"] != "baseline" and (batch_size_one(r)["acceptance"] or {}).get("drafts")
     ]
     results["plots"] = [
         plots.per_position(drafted, folder / "acceptance_per_position.png"),

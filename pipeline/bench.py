@@ -7,7 +7,7 @@ baseline time / our time over the same work in the same run, the median of ``--r
 alternating runs, so above 1 means ours is faster:
 
 - **client**: our generation client (``pipeline.generate.regenerate_all``: retries, turn
-  handling, an fsynced record per prompt) against a bare ``aiohttp`` loop with a semaphore, on the
+  handling, records fsynced in groups) against a bare ``aiohttp`` loop with a semaphore, on the
   same local endpoint at ``--concurrency``. The endpoint is ``pipeline.bench_endpoint``, a
   stand-in with a fixed latency that is never the bottleneck, so client overhead shows. A bare
   ``httpx`` loop is timed once as a reference row: it is why the client is built on aiohttp.

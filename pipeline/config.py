@@ -209,7 +209,7 @@ class EvalConfig(StrictModel):
     lm_eval_limit: PositiveInt | None = None
 
     @model_validator(mode="after")
-    def _no_repeats(self) -> EvalConfig:
+    def _consistent_sweeps(self) -> EvalConfig:
         for name in ("num_speculative_tokens", "concurrency"):
             values = getattr(self, name)
             if len(set(values)) != len(values):

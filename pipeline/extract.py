@@ -55,7 +55,6 @@ from pipeline.vllm_server import Endpoint, vllm_server
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
-FP8_SCALE_BYTES = 4
 CONNECTOR_MODULE = "pipeline.hidden_states_connector"
 
 
@@ -84,7 +83,7 @@ def stored_dtype(profile: Profile) -> str:
 def bytes_per_token(profile: Profile, dtype_bytes: int | None = None) -> int:
     """Hidden-state bytes one token costs: captured layers x hidden size x element bytes.
 
-    fp8 shards also hold one float32 scale per token (FP8_SCALE_BYTES), and every shard holds
+    fp8 shards also hold one float32 scale (4 bytes) per token, and every shard holds
     8 bytes of token id per token; neither is a hidden state, so neither is counted here.
     """
     width = dtype_bytes or element_bytes(profile)
@@ -195,8 +194,7 @@ def check_shard_format(hs_dir: Path, profile: Profile) -> None:
         return
     with safe_open(first, framework="pt") as f:
         found = f.get_slice("hidden_states").get_dtype()
-    want = "F8_E4M3" if profile.extract.hidden_states_format == "fp8" else None
-    if (want and found != want) or (not want and found == "F8_E4M3"):
+    if (found == "F8_E4M3") != (profile.extract.hidden_states_format == "fp8"):
         raise ExtractError(
             f"{hs_dir} holds {found} shards from an earlier run, but the profile asks for "
             f"extract.hidden_states_format={profile.extract.hidden_states_format}; delete "

@@ -130,15 +130,30 @@ def remedies_for(
     fit_len = max(0, int(budget / bpt / samples)) if samples else 0
     fit_samples = max(0, int(budget / bpt / per_sample)) if per_sample else 0
     extraction = local["hours"]["extraction"]
-    remedies = [
-        {
-            "remedy": "online training: hidden states generated on demand each epoch, none "
-            f"stored; extraction {duration(extraction * profile.train.epochs)} on "
-            f"{local['name']} instead of {duration(extraction)}",
-            "hidden_state_bytes": 0,
-            "fits": budget >= 0,
-            "switch": "extract.mode=online",
-        },
+    remedies = []
+    if profile.extract.mode != "online":
+        remedies.append(
+            {
+                "remedy": "online training: hidden states generated on demand each epoch, none "
+                f"stored; extraction {duration(extraction * profile.train.epochs)} on "
+                f"{local['name']} instead of {duration(extraction)}",
+                "hidden_state_bytes": 0,
+                "fits": budget >= 0,
+                "switch": "extract.mode=online",
+            }
+        )
+    if profile.extract.hidden_states_format != "fp8":
+        fp8 = tokens * bytes_per_token(profile, dtype_bytes=1)
+        remedies.append(
+            {
+                "remedy": "fp8 hidden states (e4m3 with a per-token scale; half of bf16)",
+                "hidden_state_bytes": fp8,
+                "fits": fp8 <= budget,
+                "switch": "extract.hidden_states_format=fp8",
+            }
+        )
+    return [
+        *remedies,
         {
             "remedy": f"shorter sequences: at most {fit_len} tokens per sample",
             "hidden_state_bytes": samples * min(per_sample, fit_len) * bpt,
@@ -152,20 +167,6 @@ def remedies_for(
             "switch": f"data.max_samples={fit_samples}",
         },
     ]
-    if profile.extract.mode == "online":
-        remedies.pop(0)
-    if profile.extract.hidden_states_format != "fp8":
-        fp8 = tokens * bytes_per_token(profile, dtype_bytes=1)
-        remedies.insert(
-            len(remedies) - 2,
-            {
-                "remedy": "fp8 hidden states (e4m3 with a per-token scale; half of bf16)",
-                "hidden_state_bytes": fp8,
-                "fits": fp8 <= budget,
-                "switch": "extract.hidden_states_format=fp8",
-            },
-        )
-    return remedies
 
 
 def build_plan(profile: Profile) -> dict[str, Any]:

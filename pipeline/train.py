@@ -156,7 +156,8 @@ def run(profile: Profile) -> dict[str, Any]:
     steps = folder / "progress.json"
     with contextlib.ExitStack() as stack:
         online = None
-        if extract["outputs"].get("mode") == "online":
+        mode = extract["outputs"].get("mode", "offline")  # manifests before online mode lack it
+        if mode == "online":
             staging = folder / "online-staging"
             clear_staging(staging)
             server = vllm_server(
@@ -203,7 +204,7 @@ def run(profile: Profile) -> dict[str, Any]:
         "device": "cpu" if _no_accelerator() else "accelerator",
         "command": cmd,
         "hidden_states": {
-            "mode": extract["outputs"].get("mode", "offline"),
+            "mode": mode,
             "dtype": extract["outputs"]["dtype"],
             "tokens_generated_online": generated_tokens,
         },
