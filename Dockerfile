@@ -20,7 +20,7 @@ COPY model_card model_card
 COPY release release
 COPY configs configs
 COPY data data
-COPY Makefile pyproject.toml README.md ./
+COPY Makefile pyproject.toml README.md LICENSE ./
 
 RUN useradd --create-home --uid "${UID}" drafter \
     && mkdir -p /data /hf-cache && chown drafter /data /hf-cache

@@ -4,12 +4,15 @@
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
 #   make bench                              measured ratios, runs/tiny/bench/results.md
 #   make eval BASE_URL=http://host:8000     acceptance of a running deployment
+#   make publish                            what would be pushed to the Hub (dry run)
+#   make publish PUSH=1                     push to release.repo_id (HF_TOKEN or `hf auth login`)
 # Every target installs what it needs into .venv first.
 
 SHELL := /bin/bash
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 BASE_URL ?=
+PUSH ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -18,7 +21,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo hero-run plan bench verifier generate extract train eval card test test-all test-unit quality format clean
+.PHONY: venv demo hero-run plan bench verifier generate check-licenses extract train eval card publish test test-all test-unit quality format clean
 
 venv: $(STAMP)
 
@@ -41,10 +44,12 @@ hero-run: $(STAMP)
 	$(STAGE) pipeline.plan --check --config $(CONFIG) $(ARGS)
 	$(MAKE) verifier CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) generate CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) check-licenses CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) extract CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) train CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) eval CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) card CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) publish CONFIG=$(CONFIG) ARGS='$(ARGS)'
 
 plan: $(STAMP)
 	$(STAGE) pipeline.plan --config $(CONFIG) $(ARGS)
@@ -61,6 +66,10 @@ verifier: $(STAMP)
 generate: $(STAMP)
 	$(STAGE) pipeline.generate --config $(CONFIG) $(ARGS)
 
+# Every `source` in the generated data against release/licenses.yaml; fails before extraction.
+check-licenses: $(STAMP)
+	$(STAGE) release.check_licenses --config $(CONFIG) $(ARGS)
+
 extract: $(STAMP)
 	$(STAGE) pipeline.extract --config $(CONFIG) $(ARGS)
 
@@ -73,6 +82,10 @@ eval: $(STAMP)
 
 card: $(STAMP)
 	$(STAGE) model_card.render --config $(CONFIG) $(ARGS)
+
+# A dry run unless PUSH=1; hero-run ends with the dry run.
+publish: $(STAMP)
+	$(STAGE) release.publish --config $(CONFIG) $(if $(filter 1 true yes,$(PUSH)),--push) $(ARGS)
 
 # Default tier: unit tests plus one true end-to-end tiny run (real vLLM, real training).
 test: $(STAMP)

@@ -49,8 +49,10 @@ from pipeline.chat_client import ChatClient
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.manifest import (
+    all_succeeded,
     atomic_write_bytes,
     atomic_write_json,
+    drafter_digest,
     now,
     read_manifest,
     stage_dir,
@@ -367,9 +369,13 @@ def results_markdown(results: dict[str, Any]) -> str:
         lines += ["", "lm-eval (local-completions), with and without the drafter:", ""]
         lines += ["| task | documents | without | with | match |", "|---|---|---|---|---|"]
         for task, t in lossless["tasks"].items():
+            without, with_ = (
+                ", ".join(f"{name} {fmt(value)}" for name, value in sorted(scores.items()))
+                for scores in (t["scores_without_drafter"], t["scores_with_drafter"])
+            )
             lines.append(
-                f"| {task} | {t['documents']} | {t['scores_without_drafter']} "
-                f"| {t['scores_with_drafter']} | {'yes' if t['scores_match'] else 'NO'} |"
+                f"| {task} | {t['documents']} | {without} | {with_} "
+                f"| {'yes' if t['scores_match'] else 'NO'} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -477,8 +483,13 @@ def run(profile: Profile) -> dict[str, Any]:
         profile,
         "eval",
         started_at=started,
-        counts={"input": len(prompts), "succeeded": len(prompts), "skipped": 0, "failed": 0},
-        outputs={"results": "results.json", "summary": summary},
+        counts=all_succeeded(len(prompts)),
+        outputs={
+            "results": "results.json",
+            "summary": summary,
+            # What was measured: publish refuses results that belong to another checkpoint.
+            "drafter_sha256": None if deployed else drafter_digest(Path(train["drafter"])),
+        },
         inputs=("verifier", "generate", "train"),
         data_revision=eval_data_revision(profile),
     )

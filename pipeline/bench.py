@@ -47,7 +47,7 @@ from pipeline.atomic_files import atomic_write_bytes, save_tensors_atomically
 from pipeline.config import Profile, load_profile
 from pipeline.extract import DTYPE_BYTES, bytes_per_token, captured_layer_ids
 from pipeline.generate import ResponseWriter, regenerate_all
-from pipeline.manifest import REPO_ROOT, now, stage_dir, write_manifest
+from pipeline.manifest import REPO_ROOT, all_succeeded, now, stage_dir, write_manifest
 from pipeline.prompts import PromptRow
 from pipeline.vllm_server import LOOPBACK, Endpoint, free_port, wait_until_healthy
 
@@ -312,7 +312,7 @@ def run(profile: Profile, args: argparse.Namespace) -> dict[str, Any]:
         profile,
         "bench",
         started_at=started,
-        counts={"input": 3, "succeeded": 3, "skipped": 0, "failed": 0},
+        counts=all_succeeded(3),
         outputs={"results": "results.json", "table": "results.md"},
         inputs=("verifier",),
     )

@@ -29,7 +29,14 @@ from typing import Any
 
 from pipeline.config import Profile, TinyVerifierBuild
 from pipeline.errors import PipelineError
-from pipeline.manifest import StageInputError, now, read_manifest, stage_dir, write_manifest
+from pipeline.manifest import (
+    StageInputError,
+    all_succeeded,
+    now,
+    read_manifest,
+    stage_dir,
+    write_manifest,
+)
 from pipeline.progress import progress
 from pipeline.prompts import data_revision, load_prompts
 
@@ -317,7 +324,7 @@ def run(profile: Profile) -> dict[str, Any]:
         profile,
         "verifier",
         started_at=started,
-        counts={"input": 1, "succeeded": 1, "skipped": 0, "failed": 0},
+        counts=all_succeeded(1),
         outputs=outputs,
         data_revision=extra.get("corpus"),
     )

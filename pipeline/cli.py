@@ -17,18 +17,24 @@ from pipeline.config import Profile, load_profile
 from pipeline.errors import PipelineError
 
 
-def parse(stage: str, argv: list[str] | None) -> tuple[Profile, argparse.Namespace]:
+def stage_parser(stage: str) -> argparse.ArgumentParser:
+    """``--config PROFILE [section.field=value ...]``; a stage may add flags of its own."""
     parser = argparse.ArgumentParser(prog=f"stage {stage}")
     parser.add_argument("--config", required=True, help="profile YAML, e.g. configs/tiny.yaml")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse(stage: str, argv: list[str] | None) -> tuple[Profile, argparse.Namespace]:
+    args = stage_parser(stage).parse_args(argv)
     return load_profile(args.config, args.overrides), args
 
 
 def report(fn: Callable[[], dict[str, Any]]) -> None:
     """Run a stage body: log setup, a user error as one line and exit 2, a summary on success."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    for client in ("httpx", "httpx2"):  # one line per request otherwise
+        logging.getLogger(client).setLevel(logging.WARNING)
     try:
         manifest = fn()
     except PipelineError as err:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipeline.errors import PipelineError
 
 PositiveInt = Annotated[int, Field(gt=0)]
+HUB_REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"  # "<namespace>/<name>"
 
 
 class StrictModel(BaseModel):
@@ -245,6 +246,38 @@ class PlanConfig(StrictModel):
     machines: list[MachineProfile] = Field(min_length=1)
 
 
+# Data licenses a published drafter may be trained on: permissive ones, no copyleft, no
+# non-commercial, no no-derivatives terms. A profile widens or narrows this list.
+PERMISSIVE_LICENSES = (
+    "MIT",
+    "Apache-2.0",
+    "BSD-2-Clause",
+    "BSD-3-Clause",
+    "ISC",
+    "0BSD",
+    "Unlicense",
+    "CC0-1.0",
+    "CC-BY-4.0",
+    "ODC-By-1.0",
+)
+
+
+class ReleaseConfig(StrictModel):
+    """The license check, the model card and publishing to the Hub."""
+
+    # The committed license manifest: every data source and verifier, with evidence.
+    licenses_file: Path = Path("release/licenses.yaml")
+    # SPDX ids a data source may carry (an OR picks any allowed branch, an AND needs all).
+    allowed_licenses: list[str] = Field(default_factory=lambda: list(PERMISSIVE_LICENSES))
+    # Non-commercial data (CC-BY-NC-*) fails the check unless this is set; the drafter's
+    # license then becomes non-commercial too.
+    allow_non_commercial: bool = False
+    # The Hub repository `make publish` pushes to: "<namespace>/<name>".
+    repo_id: str | None = Field(default=None, pattern=HUB_REPO_ID)
+    private: bool = True
+    revision: str = "main"
+
+
 class Profile(StrictModel):
     run: RunConfig
     verifier: VerifierConfig
@@ -254,6 +287,7 @@ class Profile(StrictModel):
     extract: ExtractConfig = ExtractConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    release: ReleaseConfig = ReleaseConfig()
     plan: PlanConfig
 
     @model_validator(mode="after")

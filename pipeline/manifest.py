@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import importlib.metadata
 import json
+import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from pipeline.atomic_files import atomic_write_bytes
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 
-STAGES = ("verifier", "generate", "extract", "train", "eval", "card")
+STAGES = ("verifier", "generate", "licenses", "extract", "train", "eval", "card", "publish")
 # Folders with a manifest that are not pipeline stages: `make bench` measures, it feeds nothing.
 FOLDERS = (*STAGES, "bench")
 
@@ -40,6 +43,9 @@ TRACKED_PACKAGES = (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# What a speculators drafter checkpoint needs to load: the files evaluated, hashed, published.
+DRAFTER_FILES = ("config.json", "model.safetensors")
 
 
 class StageInputError(PipelineError):
@@ -62,6 +68,21 @@ def git_state() -> dict[str, Any]:
         return {"sha": None, "dirty": None}
 
 
+def hardware() -> dict[str, Any]:
+    """The machine a stage ran on: CPUs, and GPUs as nvidia-smi names them (none without it)."""
+    gpus: list[str] = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        gpus = [line.strip() for line in out.splitlines() if line.strip()]
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "gpus": gpus}
+
+
 def package_versions() -> dict[str, str]:
     versions = {}
     for name in TRACKED_PACKAGES:
@@ -72,6 +93,22 @@ def package_versions() -> dict[str, str]:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(2**22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def drafter_digest(checkpoint: Path) -> dict[str, str]:
+    """sha256 of each file of a drafter checkpoint: how eval results name what they measured."""
+    missing = [name for name in DRAFTER_FILES if not (checkpoint / name).is_file()]
+    if missing:
+        raise StageInputError(f"drafter checkpoint {checkpoint} lacks {', '.join(missing)}")
+    return {name: sha256_file(checkpoint / name) for name in DRAFTER_FILES}
 
 
 def stage_dir(profile: Profile, stage: str) -> Path:
@@ -89,6 +126,11 @@ def read_manifest(profile: Profile, stage: str) -> dict[str, Any]:
             f"run `make {stage} CONFIG=...` (or `make hero-run`) first"
         )
     return json.loads(path.read_text())
+
+
+def all_succeeded(n: int) -> dict[str, int]:
+    """The counts of a stage that has no per-item skips or failures: n in, n done."""
+    return {"input": n, "succeeded": n, "skipped": 0, "failed": 0}
 
 
 def write_manifest(
@@ -113,6 +155,7 @@ def write_manifest(
         "wall_time_s": round((finished_at - started_at).total_seconds(), 3),
         "git": git_state(),
         "packages": package_versions(),
+        "hardware": hardware(),
         "inputs": {name: str(stage_dir(profile, name) / "manifest.json") for name in inputs},
         "data_revision": data_revision or {},
         "counts": counts,

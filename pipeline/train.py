@@ -37,7 +37,7 @@ from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.extract import clear_staging, server_flags
 from pipeline.logged_process import run_logged
-from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
+from pipeline.manifest import drafter_digest, now, read_manifest, stage_dir, write_manifest
 from pipeline.progress import watch
 from pipeline.speculators_train import PROGRESS_FILE_ENV
 from pipeline.vllm_server import vllm_server
@@ -198,6 +198,7 @@ def run(profile: Profile) -> dict[str, Any]:
     outputs = {
         "drafter": str(drafter),
         "checkpoint": drafter.name,
+        "drafter_sha256": drafter_digest(drafter),
         "global_steps": state.get("global_step") or read_steps(steps)[1],
         "val_metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else None,
         "draft_vocab_size": config["draft_vocab_size"],

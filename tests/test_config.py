@@ -34,6 +34,18 @@ def test_kimi_profile_is_the_hero_run():
     assert p.data.revision and len(p.data.revision) == 40
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_profile_has_its_verifier_and_data_in_the_license_manifest(path):
+    from release.check_licenses import load_license_manifest, verifier_key
+
+    profile = load_profile(path)
+    manifest = load_license_manifest(profile.release.licenses_file)
+    assert verifier_key(profile) in manifest.verifiers
+    entry = manifest.datasets[profile.data.dataset]
+    if profile.data.revision:  # the pin the profile reads is the revision that was checked
+        assert entry.revision == profile.data.revision
+
+
 def test_unknown_and_repeated_fields_are_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(CONFIGS[0]).read_text() + "\nextract:\n  max_seq_len: 10\n")

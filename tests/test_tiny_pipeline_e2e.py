@@ -147,10 +147,21 @@ def test_card_reloads_with_the_measured_numbers(tiny_run):
     profile = tiny_run
     card = ModelCard.load(profile.run.run_dir / "card" / "README.md")
     summary = json.loads((profile.run.run_dir / "eval" / "results.json").read_text())["summary"]
-    assert card.data.license == "apache-2.0"
-    assert "eagle3" in card.data.tags and card.data.library_name == "speculators"
+    assert card.data.license == "apache-2.0"  # derived from the built verifier's license
+    assert {"eagle3", "speculative-decoding", "speculators"} <= set(card.data.tags)
+    assert card.data.library_name == "speculators"
+    metrics = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert metrics["mean_acceptance_length"] == round(summary["mean_acceptance_length"], 4)
+    assert metrics["acceptance_rate"] == round(summary["acceptance_rate"], 4)
     assert f"{summary['mean_acceptance_length']:.3f}" in card.text
     assert "--speculative-config" in card.text
+    # The data table: one row per source actually generated, with the checked license and counts.
+    report = json.loads((profile.run.run_dir / "licenses" / "report.json").read_text())
+    for source in report["sources"]:
+        row = f"| {source['source']} | {source['dataset']} |"
+        assert row in card.text and f"| {source['rows']} | {source['prompt_tokens']} |" in card.text
+    for plot in read_manifest(profile, "card")["outputs"]["plots"]:
+        assert f"]({plot})" in card.text
 
 
 def test_an_untrained_drafter_is_an_error_not_a_result(tiny_run, tmp_path):
