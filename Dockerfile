@@ -23,8 +23,9 @@ COPY data data
 COPY Makefile pyproject.toml README.md LICENSE ./
 
 RUN useradd --create-home --uid "${UID}" drafter \
-    && mkdir -p /data /hf-cache && chown drafter /data /hf-cache
-USER drafter
+    && mkdir -p /data /hf-cache && chown "${UID}" /data /hf-cache
+# Not root: numeric, so the host and volume permissions agree on who this is.
+USER ${UID}
 
 # `make` targets run the same stage modules as on a CPU machine, with the image's Python and vLLM
 # (STAMP= skips the CPU venv set-up).

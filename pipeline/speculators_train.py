@@ -9,9 +9,10 @@ accelerator it changes nothing. Each patch names the speculators internal it rep
 :func:`check_patch_targets` fails loudly (before any patching) when a speculators upgrade has
 moved one, rather than letting training silently run the unpatched code.
 
-When ``TRAIN_PROGRESS_FILE`` is set, rank 0 also keeps that file (JSON ``global_step`` and
-``total_steps``, replaced atomically at every logged step) so that the `train` stage, which runs
-this as a subprocess with its output in a log, can show a bar with rate and ETA.
+When ``TRAIN_PROGRESS_FILE`` is set, rank 0 also keeps that file (JSON ``global_step``,
+``total_steps``, whether it runs distributed and its ``world_size``, replaced atomically at
+every logged step) so that the `train` stage, which runs this as a subprocess with its output in
+a log, can show a bar with rate and ETA.
 """
 
 from __future__ import annotations
@@ -121,7 +122,13 @@ class StepFileHandler(logging.Handler):
         if self.total_steps is not None:  # a partial last batch can add a step to the count
             done = min(done, self.total_steps)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        state = {"global_step": done, "total_steps": self.total_steps}
+        distributed = dist.is_initialized()
+        state = {
+            "global_step": done,
+            "total_steps": self.total_steps,
+            "distributed": distributed,
+            "world_size": dist.get_world_size() if distributed else 1,
+        }
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.path)
 

@@ -14,8 +14,10 @@ each row's hidden states on demand (``--on-missing generate``) and deletes them 
 ``extract.hidden_states_format: fp8`` speculators' fp8 backend dequantises the shards.
 
 One device by default (``python -m pipeline.speculators_train``); ``train.num_devices > 1``
-launches the same entry point through torchrun. speculators resumes from the newest checkpoint
-in the save path, so a rerun after a crash continues instead of starting over.
+(or ``train.launcher: torchrun``) launches the same entry point through torchrun on this machine,
+its rendezvous and collectives on loopback, with FSDP sharding when ``train.fsdp_shard``;
+``train.from_pretrained`` finetunes an existing drafter. speculators resumes from the newest
+checkpoint in the save path, so a rerun after a crash continues instead of starting over.
 
 Invariants: the trainer receives exactly the capture layer ids extraction used (without the
 last layer, which speculators appends itself); the draft vocabulary comes from the token
@@ -33,14 +35,14 @@ from typing import Any
 
 from eval.spec_decode_metrics import scrape
 from pipeline.build_verifier import resolved_verifier
-from pipeline.config import Profile
+from pipeline.config import Profile, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.extract import clear_staging, server_flags
 from pipeline.logged_process import run_logged
 from pipeline.manifest import drafter_digest, now, read_manifest, stage_dir, write_manifest
 from pipeline.progress import watch
 from pipeline.speculators_train import PROGRESS_FILE_ENV
-from pipeline.vllm_server import vllm_server
+from pipeline.vllm_server import LOOPBACK, free_port, vllm_server
 
 ENTRY = "pipeline.speculators_train"
 
@@ -49,14 +51,26 @@ class TrainError(PipelineError):
     """Training failed; the message points at the trainer log."""
 
 
-def launcher(num_devices: int) -> list[str]:
-    if num_devices == 1:
+def launcher(train: TrainConfig) -> list[str]:
+    """The trainer's entry point, directly or through torchrun on this one machine."""
+    if not train.torchrun:
         return [sys.executable, "-m", ENTRY]
+    # One node; the rendezvous store on loopback, not on every interface as --standalone does.
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nproc_per_node", str(num_devices),
+        "--nnodes", "1", "--nproc-per-node", str(train.num_devices),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}",
+        "--local-addr", LOOPBACK,
         "-m", ENTRY,
     ]  # fmt: skip
+
+
+def train_env(train: TrainConfig) -> dict[str, str]:
+    """The trainer's environment: collective traffic between ranks stays on loopback."""
+    env = dict(os.environ)
+    if train.torchrun:
+        env |= {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "MASTER_ADDR": LOOPBACK}
+    return env
 
 
 def train_command(
@@ -80,7 +94,7 @@ def train_command(
         hidden_states += ["--hidden-states-backend", "fp8"]
     hidden_dtype = "float32" if v.dtype == "float32" else "bfloat16"
     cmd = [
-        *launcher(t.num_devices),
+        *launcher(t),
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", verifier,
         "--data-path", str(prepared),
@@ -106,6 +120,8 @@ def train_command(
         cmd.append("--trust-remote-code")
     if t.save_best:
         cmd.append("--save-best")
+    if t.fsdp_shard:
+        cmd.append("--fsdp-shard")
     if t.from_pretrained:
         cmd += ["--from-pretrained", t.from_pretrained]
     return [*cmd, *t.extra_args]
@@ -134,13 +150,18 @@ def final_checkpoint(save: Path) -> Path:
     return epochs[-1]
 
 
+def trainer_state(path: Path) -> dict[str, Any]:
+    """What the trainer last reported (steps done, total steps, world size); {} before that."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
 def read_steps(path: Path) -> tuple[int, int | None]:
     """(steps done, total steps) as the trainer last reported them; (0, None) before that."""
-    try:
-        state = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0, None
-    return state["global_step"], state["total_steps"]
+    state = trainer_state(path)
+    return state.get("global_step", 0), state.get("total_steps")
 
 
 def run(profile: Profile) -> dict[str, Any]:
@@ -180,7 +201,7 @@ def run(profile: Profile) -> dict[str, Any]:
                 unit="step",
             )
         )
-        env = {**os.environ, PROGRESS_FILE_ENV: str(steps)}
+        env = {**train_env(profile.train), PROGRESS_FILE_ENV: str(steps)}
         run_logged(cmd, folder / "train.log", TrainError, "speculators training", env=env)
         if bar.total:  # the steps after the last logged one
             bar.update(bar.total - bar.n)
@@ -203,6 +224,9 @@ def run(profile: Profile) -> dict[str, Any]:
         "val_metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else None,
         "draft_vocab_size": config["draft_vocab_size"],
         "device": "cpu" if _no_accelerator() else "accelerator",
+        # As the ranks themselves saw it: torchrun's process group, and how many ranks.
+        "distributed": trainer_state(steps).get("distributed"),
+        "world_size": trainer_state(steps).get("world_size"),
         "command": cmd,
         "hidden_states": {
             "mode": mode,

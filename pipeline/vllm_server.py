@@ -178,6 +178,13 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
         proc.wait(timeout=grace_s)
 
 
+def attach(url: str, timeout_s: float) -> Endpoint:
+    """A running server at ``url`` (with or without /v1), once it answers /health."""
+    base = url.rstrip("/").removesuffix("/v1")
+    wait_until_healthy(base, timeout_s)
+    return Endpoint(base_url=base, model=served_model(base), started_here=False)
+
+
 @contextlib.contextmanager
 def vllm_server(
     profile: Profile,
@@ -190,9 +197,7 @@ def vllm_server(
 ) -> Iterator[Endpoint]:
     """Yield an Endpoint: the profile's base_url if set, else a server started here."""
     if use_base_url and profile.server.base_url:
-        base = profile.server.base_url.rstrip("/").removesuffix("/v1")
-        wait_until_healthy(base, profile.server.startup_timeout_s)
-        yield Endpoint(base_url=base, model=served_model(base), started_here=False)
+        yield attach(profile.server.base_url, profile.server.startup_timeout_s)
         return
     port = profile.server.port or free_port(profile.server.host)
     cmd = server_command(

@@ -1,4 +1,4 @@
-"""Helpers shared by the e2e tests: real small filesystems and seeded run folders."""
+"""Helpers shared by the tests: real small filesystems, seeded run folders, loopback servers."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import contextlib
 import errno
 import shutil
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from pipeline.config import Profile
+from pipeline.vllm_server import LOOPBACK, free_port
 
 # The demo's training data; fewer, shorter eval prompts keep the default test run in budget.
 TEST_OVERRIDES = [
@@ -60,3 +63,16 @@ def seed_run_dir(source: Profile, target: Profile, stages: tuple[str, ...]) -> N
             target.run.run_dir / stage,
             ignore=shutil.ignore_patterns("model", "*.log"),  # the model is used in place
         )
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve ``app`` on a free port of 127.0.0.1; yield its base url."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port(LOOPBACK)
+    await web.TCPSite(runner, LOOPBACK, port).start()
+    try:
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        await runner.cleanup()

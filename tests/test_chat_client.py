@@ -11,6 +11,7 @@ from aiohttp import web
 
 from pipeline.chat_client import ChatClient, ServerRejectedError
 from pipeline.vllm_server import LOOPBACK, free_port
+from tests.helpers import serving
 
 pytestmark = pytest.mark.unit
 
@@ -32,14 +33,8 @@ async def server_answering(statuses: list[int]) -> AsyncIterator[tuple[str, list
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port(LOOPBACK)
-    await web.TCPSite(runner, LOOPBACK, port).start()
-    try:
-        yield f"http://{LOOPBACK}:{port}/v1", sent
-    finally:
-        await runner.cleanup()
+    async with serving(app) as base:
+        yield f"{base}/v1", sent
 
 
 def client(v1: str, max_retries: int) -> ChatClient:

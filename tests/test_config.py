@@ -46,6 +46,26 @@ def test_every_profile_has_its_verifier_and_data_in_the_license_manifest(path):
         assert entry.revision == profile.data.revision
 
 
+def test_a_profile_extends_another_section_by_section():
+    local = load_profile("configs/kimi-k2.5.yaml")
+    b300 = load_profile("configs/kimi-k2.5-b300.yaml")
+    assert b300.generate.concurrency == 256 and local.generate.concurrency == 128
+    # Unset fields of a section it overrides are inherited, not reset to defaults.
+    assert b300.generate.max_tokens == local.generate.max_tokens == 7168
+    assert b300.server.reasoning_parser == "kimi_k2" and b300.data == local.data
+    assert b300.plan.machines[0].name.startswith("B300")  # lists replace, first = this machine
+
+
+def test_an_extends_loop_or_missing_base_is_named(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="`extends` loops back"):
+        load_profile(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"nowhere\.yaml does not exist"):
+        load_profile(tmp_path / "c.yaml")
+
+
 def test_unknown_and_repeated_fields_are_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(CONFIGS[0]).read_text() + "\nextract:\n  max_seq_len: 10\n")

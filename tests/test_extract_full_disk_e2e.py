@@ -41,7 +41,13 @@ def shard_inodes(hs_dir: Path) -> dict[str, int]:
 
 def test_full_disk_stops_cleanly_and_a_rerun_resumes(tiny_run, tmp_path):
     with small_volume(tmp_path / "volume", VOLUME_BYTES) as volume:
-        overrides = [f"run.output_dir={volume}", "extract.disk_reserve_gib=0.01"]
+        overrides = [
+            f"run.output_dir={volume}",
+            "extract.disk_reserve_gib=0.01",
+            # Bounded: a request that waits on a shard that will never come gives up in time.
+            "generate.request_timeout_s=30",
+            "generate.max_retries=1",
+        ]
         profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
         seed_run_dir(tiny_run, profile, ("verifier", "generate"))
         hs_dir = profile.run.run_dir / "extract" / "prepared" / "hidden_states"

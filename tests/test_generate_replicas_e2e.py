@@ -1,0 +1,57 @@
+"""Generation spread over two real vLLM replicas on 127.0.0.1 (generate.replica_urls).
+
+Kept in the slow tier: it starts two servers on a 2-core machine. The fan-out logic itself is
+covered in the default run by tests/test_generate_replicas.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.build_verifier import resolved_verifier
+from pipeline.config import load_profile
+from pipeline.manifest import read_manifest
+from pipeline.vllm_server import vllm_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+REPO = Path(__file__).parent.parent
+SAMPLES = 32
+
+
+def test_two_replicas_share_the_prompts_and_each_is_done_once(tiny_run, tmp_path):
+    base = [f"run.output_dir={tmp_path}", f"data.max_samples={SAMPLES}", "generate.concurrency=4"]
+    profile = load_profile(REPO / "configs/tiny.yaml", base)
+    (profile.run.run_dir / "verifier").mkdir(parents=True)
+    shutil.copy(tiny_run.run.run_dir / "verifier/manifest.json", profile.run.run_dir / "verifier")
+    model = resolved_verifier(profile)["model"]
+    with (
+        vllm_server(profile, model, tmp_path / "a.log", use_base_url=False) as a,
+        vllm_server(profile, model, tmp_path / "b.log", use_base_url=False) as b,
+    ):
+        urls = json.dumps([a.base_url, b.base_url])
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline.generate", "--config", "configs/tiny.yaml", *base,
+             f"generate.replica_urls={urls}"],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "PROGRESS": "0"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = read_manifest(profile, "generate")
+    replicas = manifest["outputs"]["replicas"]
+    assert [r["base_url"] for r in replicas] == [a.base_url, b.base_url]
+    assert all(r["finished"] > 0 and r["failed"] == 0 for r in replicas)
+    assert sum(r["finished"] for r in replicas) == SAMPLES == manifest["counts"]["input"]
+    lines = (profile.run.run_dir / "generate/responses.jsonl").read_text().splitlines()
+    ids = [json.loads(line)["id"] for line in lines]
+    assert len(ids) == len(set(ids)) == SAMPLES
