@@ -74,7 +74,7 @@ def is_hub_id(name: str | None) -> bool:
     return not (Path(name).exists() or (REPO_ROOT / name).exists())
 
 
-def eval_results(summary: dict[str, Any], dataset: str, model_name: str) -> list[EvalResult]:
+def eval_results(summary: dict[str, Any], dataset: str) -> list[EvalResult]:
     k = summary["num_speculative_tokens"]
     where = f"k={k}, batch size {summary['concurrency']}, greedy, vLLM"
     metrics = [
@@ -115,7 +115,7 @@ def card_metadata(
         library_name="speculators",
         tags=tags,
         model_name=model_name,
-        eval_results=eval_results(summary, profile.data.eval_dataset, model_name),
+        eval_results=eval_results(summary, profile.data.eval_dataset),
     )
 
 

@@ -39,7 +39,14 @@ from pipeline.config import Profile, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.extract import clear_staging, server_flags
 from pipeline.logged_process import run_logged
-from pipeline.manifest import drafter_digest, now, read_manifest, stage_dir, write_manifest
+from pipeline.manifest import (
+    all_succeeded,
+    drafter_digest,
+    now,
+    read_manifest,
+    stage_dir,
+    write_manifest,
+)
 from pipeline.progress import watch
 from pipeline.speculators_train import PROGRESS_FILE_ENV
 from pipeline.vllm_server import LOOPBACK, free_port, vllm_server
@@ -243,12 +250,7 @@ def run(profile: Profile) -> dict[str, Any]:
         profile,
         "train",
         started_at=started,
-        counts={
-            "input": extract["outputs"]["rows"],
-            "succeeded": extract["outputs"]["rows"],
-            "skipped": 0,
-            "failed": 0,
-        },
+        counts=all_succeeded(extract["outputs"]["rows"]),
         outputs=outputs,
         inputs=("verifier", "extract"),
         data_revision=extract["data_revision"],
