@@ -2,6 +2,9 @@
 #   make demo                               the whole pipeline on the tiny profile (CPU, minutes)
 #   make test                               the default test run (CI runs exactly this)
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
+#   make hero-run RUNNER=compose CONFIG=...  the same stages in containers (compose.yaml)
+#   make gpu-smoke                          a few training steps and a hidden-state capture on
+#                                           a GPU (skipped without one)
 #   make bench                              measured ratios, runs/tiny/bench/results.md
 #   make eval BASE_URL=http://host:8000     acceptance of a running deployment
 #   make publish                            what would be pushed to the Hub (dry run)
@@ -13,6 +16,8 @@ CONFIG ?= configs/tiny.yaml
 ARGS ?=
 BASE_URL ?=
 PUSH ?=
+# local: the stages run in this checkout; compose: in the image, through `docker compose`.
+RUNNER ?= local
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -21,7 +26,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo hero-run plan bench verifier generate check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv demo hero-run gpu-smoke plan bench verifier generate check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
@@ -40,6 +45,7 @@ demo: $(STAMP)
 	@echo; echo "Acceptance of the tiny drafter in vLLM (runs/tiny/eval/results.md):"
 	@cat runs/tiny/eval/results.md
 
+ifeq ($(RUNNER),local)
 hero-run: $(STAMP)
 	$(STAGE) pipeline.plan --check --config $(CONFIG) $(ARGS)
 	$(MAKE) verifier CONFIG=$(CONFIG) ARGS='$(ARGS)'
@@ -50,6 +56,22 @@ hero-run: $(STAMP)
 	$(MAKE) eval CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) card CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) publish CONFIG=$(CONFIG) ARGS='$(ARGS)'
+else ifeq ($(RUNNER),compose)
+# The pipeline service runs this same target (RUNNER=local) inside the image; each stage starts
+# its vLLM server as a sibling container (server.runtime=docker, see compose.yaml). The image's
+# user is yours (root maps to 1000), so what lands in DATA_DIR is yours.
+hero-run:
+	@command -v docker >/dev/null || { echo "error: RUNNER=compose needs Docker with the compose plugin on this machine; RUNNER=local runs the stages here" >&2; exit 2; }
+	DOCKER_GID=$$(stat -c %g /var/run/docker.sock) BUILD_UID=$$(id -u | sed 's/^0$$/1000/') \
+		CONFIG=$(CONFIG) ARGS='$(ARGS)' docker compose run --rm --build pipeline
+else
+hero-run:
+	@echo "error: RUNNER=$(RUNNER): use RUNNER=local (the stages in this checkout) or RUNNER=compose (in containers)" >&2; exit 2
+endif
+
+# Exits 0 with a "skipped" line when no CUDA device is visible.
+gpu-smoke: $(STAMP)
+	$(STAGE) pipeline.gpu_smoke --config $(CONFIG) $(ARGS)
 
 plan: $(STAMP)
 	$(STAGE) pipeline.plan --config $(CONFIG) $(ARGS)

@@ -49,7 +49,13 @@ from pipeline.extract import DTYPE_BYTES, bytes_per_token, captured_layer_ids
 from pipeline.generate import ResponseWriter, regenerate_all
 from pipeline.manifest import REPO_ROOT, all_succeeded, now, stage_dir, write_manifest
 from pipeline.prompts import PromptRow
-from pipeline.vllm_server import LOOPBACK, Endpoint, free_port, wait_until_healthy
+from pipeline.vllm_server import (
+    LOOPBACK,
+    Endpoint,
+    free_port,
+    process_exit,
+    wait_until_healthy,
+)
 
 PROMPT = "Say something short about benchmarks."
 
@@ -75,7 +81,7 @@ def stand_in_endpoint(delay_ms: float, log_path: Path) -> Iterator[str]:
         )
     base = f"http://{LOOPBACK}:{port}"
     try:
-        wait_until_healthy(base, 60, proc, log_path)
+        wait_until_healthy(base, 60, process_exit(proc, "the stand-in"), log_path)
         yield base
     finally:
         proc.terminate()

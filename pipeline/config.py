@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import PipelineError
 
@@ -85,11 +85,47 @@ class VerifierConfig(StrictModel):
         return self
 
 
+class ContainerConfig(StrictModel):
+    """A vLLM server run as a Docker container (server.runtime=docker), one at a time.
+
+    The container shares the host's network namespace and binds server.host (loopback), so it
+    is reachable from this process, on the host or in a host-network container, and from
+    nowhere else; it shares the host's IPC namespace too (vLLM's workers use /dev/shm).
+    """
+
+    # The project's image (compose.yaml builds it): vLLM plus the hidden-state connector.
+    image: str = "eagle3-release:latest"
+    # GPUs the server reserves: all, none (a CPU build), or device ids ("0", "1", ...).
+    gpus: Literal["all", "none"] | list[Annotated[str, BeforeValidator(str)]] = "all"
+    # Bind mounts "host_path:container_path[:ro]". None: the run folder, a local verifier and
+    # the HF cache at the same paths as here (right when this process runs on the host).
+    mounts: list[str] | None = None
+    # The HF cache inside the container (HF_HOME) when mounts are given.
+    hf_home: str = "/hf-cache"
+    # Seconds between SIGTERM and SIGKILL when the server is stopped.
+    stop_timeout_s: PositiveInt = 60
+
+    @model_validator(mode="after")
+    def _mounts_well_formed(self) -> ContainerConfig:
+        for mount in self.mounts or ():
+            parts = mount.split(":")
+            if len(parts) not in (2, 3) or not all(parts[:2]) or parts[2:] not in ([], ["ro"]):
+                raise ValueError(
+                    f"server.container.mounts: {mount!r} must look like "
+                    "/host/path:/container/path or /host/path:/container/path:ro"
+                )
+        return self
+
+
 class ServerConfig(StrictModel):
     """How the pipeline reaches vLLM: a server it starts on loopback, or one at base_url."""
 
     # When set, stages talk to this OpenAI-compatible server and start none themselves.
     base_url: str | None = None
+    # How a stage starts its server: a child process (this machine's vLLM), or a container
+    # through the Docker Engine API (DOCKER_HOST, else the local socket).
+    runtime: Literal["process", "docker"] = "process"
+    container: ContainerConfig = ContainerConfig()
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
     tensor_parallel_size: PositiveInt = 1

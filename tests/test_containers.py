@@ -27,14 +27,14 @@ DOCKERFILE = (REPO / "Dockerfile").read_text()
 BIN = Path(sys.executable).parent
 
 
-def compose_config(**env: str) -> dict:
+def compose_config(*args: str, **env: str) -> dict:
     """compose.yaml as Compose resolves it (interpolated, defaults applied), as JSON."""
     binary = Path(compose.__file__).with_name("docker-compose")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DATA_DIR", "ARGS"))}
     proc = subprocess.run(
-        [str(binary), "-f", "compose.yaml", "config", "--format", "json"],
+        [str(binary), "-f", "compose.yaml", *args, "config", "--format", "json"],
         cwd=REPO,
-        env={**clean, **env},
+        env={**clean, "HOME": "/home/someone", **env},
         capture_output=True,
         text=True,
         timeout=60,
@@ -74,24 +74,99 @@ def test_no_secret_goes_into_an_image_layer():
     assert {".env", ".venv", "runs"} <= set(ignored)
 
 
-def test_compose_validates_and_its_services_run_the_projects_targets():
+def binds(service: dict) -> list[str]:
+    return [f"{v['source']}:{v['target']}" for v in service["volumes"]]
+
+
+def test_compose_validates_and_the_pipeline_runs_the_projects_hero_run():
     services = compose_config()["services"]
-    targets = make_targets()
-    for name, service in services.items():
-        assert service["command"][0] in targets, (name, service["command"])
-        devices = service["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["capabilities"] == ["gpu"], name
-        # The token is passed through from the environment, never written in the file.
-        assert service["environment"]["HF_TOKEN"] == "", name
-        mounts = {v["target"] for v in service["volumes"]}
-        assert {"/data", "/hf-cache"} <= mounts, name
-    assert services["pipeline"]["command"] == ["hero-run", "CONFIG=configs/kimi-k2.5.yaml"]
-    b300 = compose_config(CONFIG="configs/kimi-k2.5-b300.yaml")["services"]["pipeline"]
-    assert b300["command"][1] == "CONFIG=configs/kimi-k2.5-b300.yaml"
-    assert (
-        compose_config(HF_TOKEN="hf_from_env")["services"]["pipeline"]["environment"]["HF_TOKEN"]
-        == "hf_from_env"
+    assert set(services) == {"pipeline"}  # `verifier` and `eval` only with --profile serve
+    pipeline = services["pipeline"]
+    command = pipeline["command"]
+    assert command[0] in make_targets()
+    assert command[:2] == ["hero-run", "CONFIG=configs/kimi-k2.5.yaml"]
+    assert pipeline["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert pipeline["network_mode"] == "host"  # servers bind 127.0.0.1 of the host, unexposed
+    # Stages start their servers through the engine's socket, mounting what the pipeline has.
+    assert "/var/run/docker.sock:/var/run/docker.sock" in binds(pipeline)
+    args = command[2].removeprefix("ARGS=").split()
+    assert args[0] == "server.runtime=docker"
+    mounts = args[1].removeprefix("server.container.mounts=[").removesuffix("]").split(",")
+    assert mounts == ["/data:/data", "/home/someone/.cache/huggingface:/hf-cache"]
+    assert set(mounts) <= set(binds(pipeline))
+    # The profile and the data folder switch from the environment, extra overrides append.
+    other = compose_config(
+        CONFIG="configs/kimi-k2.5-b300.yaml", DATA_DIR="/mnt/nvme", ARGS="generate.concurrency=8"
+    )["services"]["pipeline"]
+    assert other["command"][1] == "CONFIG=configs/kimi-k2.5-b300.yaml"
+    assert "server.container.mounts=[/mnt/nvme:/data," in other["command"][2]
+    assert other["command"][2].endswith(" generate.concurrency=8")
+    assert "/mnt/nvme:/data" in binds(other)
+    # The token is passed through from the environment, never written in the file.
+    assert pipeline["environment"]["HF_TOKEN"] == ""
+    token = compose_config(HF_TOKEN="hf_from_env")["services"]["pipeline"]["environment"]
+    assert token["HF_TOKEN"] == "hf_from_env"
+
+
+def served_command(service: dict, tmp_path: Path) -> list[str]:
+    """What the service's `python3 -m pipeline.serve ...` runs, asked of the real module."""
+    assert service["entrypoint"] == ["python3", "-m", "pipeline.serve"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.serve", *service["command"], "--print",
+         f"run.output_dir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_the_serve_profile_services_run_the_stages_server_command_with_a_long_healthcheck(
+    tmp_path,
+):
+    services = compose_config("--profile", "serve")["services"]
+    profile = load_profile(REPO / "configs" / "kimi-k2.5.yaml", [f"run.output_dir={tmp_path}"])
+    drafter = "/data/runs/kimi-k2.5-eagle3/train/checkpoints/best"
+    train = profile.run.run_dir / "train"
+    train.mkdir(parents=True)
+    (train / "manifest.json").write_text(json.dumps({"outputs": {"drafter": drafter}}))
+    for name, port, spec in [
+        ("verifier", 8000, None),
+        ("eval", 8001, {"method": "eagle3", "model": drafter, "num_speculative_tokens": 5}),
+    ]:
+        service = services[name]
+        kwargs = {"speculative_config": spec} if spec else {}
+        expected = server_command(profile, "moonshotai/Kimi-K2.5", port, **kwargs)
+        assert served_command(service, tmp_path) == expected, name
+        health = service["healthcheck"]
+        assert f"http://127.0.0.1:{port}/health" in " ".join(health["test"]), name
+        minutes = int(health["start_period"].split("m")[0])
+        assert minutes >= 30, "Kimi-K2.5 takes ~22.5 min to load"
+        assert service["network_mode"] == "host" and "HF_TOKEN" not in service.get(
+            "environment", {}
+        )
+        assert service["deploy"]["resources"]["reservations"]["devices"][0]["count"] == -1
+        assert {"/data", "/hf-cache"} <= {v["target"] for v in service["volumes"]}
+
+
+def test_hero_run_through_compose_is_an_explicit_switch():
+    dry = subprocess.run(
+        ["make", "-n", "hero-run", "RUNNER=compose", "CONFIG=configs/kimi-k2.5-b300.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "docker compose run --rm --build pipeline" in dry
+    assert "CONFIG=configs/kimi-k2.5-b300.yaml" in dry
+    bad = subprocess.run(
+        ["make", "hero-run", "RUNNER=docker"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
+    assert bad.returncode != 0 and "use RUNNER=local" in bad.stderr
 
 
 def flags(cmd: list[str]) -> dict[str, str | None]:

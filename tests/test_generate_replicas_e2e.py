@@ -7,10 +7,7 @@ covered in the default run by tests/test_generate_replicas.py.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from pipeline.build_verifier import resolved_verifier
 from pipeline.config import load_profile
 from pipeline.manifest import read_manifest
 from pipeline.vllm_server import vllm_server
+from tests.helpers import run_stage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).parent.parent
@@ -36,16 +34,7 @@ def test_two_replicas_share_the_prompts_and_each_is_done_once(tiny_run, tmp_path
         vllm_server(profile, model, tmp_path / "b.log", use_base_url=False) as b,
     ):
         urls = json.dumps([a.base_url, b.base_url])
-        proc = subprocess.run(
-            [sys.executable, "-m", "pipeline.generate", "--config", "configs/tiny.yaml", *base,
-             f"generate.replica_urls={urls}"],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), "PROGRESS": "0"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )  # fmt: skip
+        proc = run_stage("pipeline.generate", *base, f"generate.replica_urls={urls}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = read_manifest(profile, "generate")
     replicas = manifest["outputs"]["replicas"]

@@ -8,16 +8,14 @@ dequantised by speculators' fp8 backend, and deletes them once loaded.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import load_profile
 from pipeline.manifest import read_manifest
-from tests.helpers import seed_run_dir
+from tests.helpers import run_stage, seed_run_dir
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
@@ -25,11 +23,7 @@ STEPS = 20
 
 
 def stage(name: str, overrides: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", f"pipeline.{name}", "--config", "configs/tiny.yaml", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PROGRESS": "0"}
-    return subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False
-    )
+    return run_stage(f"pipeline.{name}", *overrides, timeout=900)
 
 
 def test_online_fp8_training_stores_no_hidden_states(tiny_run, tmp_path):

@@ -8,8 +8,6 @@ CPU-only machine can take the multi-GPU path.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 from pipeline.config import ConfigError, load_profile
 from pipeline.manifest import read_manifest
 from pipeline.train import train_command, train_env
-from tests.helpers import TEST_OVERRIDES, seed_run_dir
+from tests.helpers import TEST_OVERRIDES, run_stage, seed_run_dir
 
 REPO = Path(__file__).parent.parent
 
@@ -72,15 +70,7 @@ def test_training_through_torchrun_at_world_size_1(tiny_run, tmp_path):
     ]
     profile = load_profile(REPO / "configs/tiny.yaml", overrides)
     seed_run_dir(tiny_run, profile, ("verifier", "generate", "extract"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.train", "--config", "configs/tiny.yaml", *overrides],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PROGRESS": "0"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    proc = run_stage("pipeline.train", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = read_manifest(profile, "train")["outputs"]
     assert out["command"][1:3] == ["-m", "torch.distributed.run"]
