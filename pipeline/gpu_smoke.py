@@ -20,7 +20,6 @@ tests of this script on machines without a device.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -37,7 +36,7 @@ from pipeline.extract import reserve_bytes
 from pipeline.logged_process import run_logged
 from pipeline.manifest import atomic_write_json, hardware, now, read_manifest, stage_dir
 from pipeline.speculators_train import PROGRESS_FILE_ENV
-from pipeline.train import final_checkpoint, read_steps, train_command, train_env
+from pipeline.train import checked_drafter, read_steps, train_command, train_env
 
 log = logging.getLogger(__name__)
 MIN_COSINE = {"float32": 0.9999, "bfloat16": 0.99, "float16": 0.995}
@@ -137,11 +136,7 @@ def train_steps(profile: Profile, rows: int, out: Path) -> dict[str, Any]:
     steps = out / "progress.json"
     env = {**train_env(profile.train), PROGRESS_FILE_ENV: str(steps)}
     run_logged(cmd, out / "train.log", GpuSmokeError, "speculators training", env=env)
-    drafter = final_checkpoint(save)
-    config = json.loads((drafter / "config.json").read_text())
-    if config["eagle_aux_hidden_state_layer_ids"] != profile.verifier.capture_layer_ids:
-        raise GpuSmokeError(f"{drafter} records capture layers "
-                            f"{config['eagle_aux_hidden_state_layer_ids']}")  # fmt: skip
+    drafter, _ = checked_drafter(profile, save)
     done, total = read_steps(steps)
     if not done:
         raise GpuSmokeError(f"speculators reported no training step; log {out / 'train.log'}")

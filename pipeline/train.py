@@ -157,6 +157,18 @@ def final_checkpoint(save: Path) -> Path:
     return epochs[-1]
 
 
+def checked_drafter(profile: Profile, save: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to ship and its config, once it reads the layers the profile captures."""
+    drafter = final_checkpoint(save)
+    config = json.loads((drafter / "config.json").read_text())
+    if config["eagle_aux_hidden_state_layer_ids"] != profile.verifier.capture_layer_ids:
+        raise TrainError(
+            f"the drafter records capture layers {config['eagle_aux_hidden_state_layer_ids']} "
+            f"but the profile extracted {profile.verifier.capture_layer_ids}"
+        )
+    return drafter, config
+
+
 def trainer_state(path: Path) -> dict[str, Any]:
     """What the trainer last reported (steps done, total steps, world size); {} before that."""
     try:
@@ -214,13 +226,7 @@ def run(profile: Profile) -> dict[str, Any]:
             bar.update(bar.total - bar.n)
         # Tokens the extraction server ran for training: the measured cost of online mode.
         generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
-    drafter = final_checkpoint(save)
-    config = json.loads((drafter / "config.json").read_text())
-    if config["eagle_aux_hidden_state_layer_ids"] != profile.verifier.capture_layer_ids:
-        raise TrainError(
-            f"the drafter records capture layers {config['eagle_aux_hidden_state_layer_ids']} "
-            f"but the profile extracted {profile.verifier.capture_layer_ids}"
-        )
+    drafter, config = checked_drafter(profile, save)
     state_path, metrics_path = drafter / "training_state.json", drafter / "val_metrics.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     outputs = {
