@@ -47,6 +47,10 @@ class GpuSmokeError(PipelineError):
     """The device computed something the pipeline cannot use; the message says what."""
 
 
+def prepared_dir(profile: Profile, extract: dict[str, Any]) -> Path:
+    return stage_dir(profile, "extract") / extract["prepared"]
+
+
 def captured_hidden_states(model, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     """[num_tokens, len(layer_ids), hidden] at the captured layers, as vLLM captures them."""
     pre_norm: list[torch.Tensor] = []
@@ -61,16 +65,18 @@ def captured_hidden_states(model, token_ids: torch.Tensor, layer_ids: list[int])
     return torch.stack([h[0] for h in layers], dim=1)
 
 
-def check_capture(profile: Profile, device: str, shards: int, out: Path) -> dict[str, Any]:
+def check_capture(
+    profile: Profile, extract: dict[str, Any], device: str, shards: int, out: Path
+) -> dict[str, Any]:
+    """``extract``: the extract stage's outputs (its manifest)."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.hidden_states_connector import write_shard  # imports vLLM: not for a skip
 
-    extract = read_manifest(profile, "extract")["outputs"]
     if extract["dtype"] == "float8_e4m3fn":
         raise GpuSmokeError("the smoke compares against unquantised shards: extract with "
                             "extract.hidden_states_format=verifier_dtype")  # fmt: skip
-    hs_dir = stage_dir(profile, "extract") / extract["prepared"] / "hidden_states"
+    hs_dir = prepared_dir(profile, extract) / "hidden_states"
     dtype = getattr(torch, profile.verifier.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         resolved_verifier(profile)["model"],
@@ -115,12 +121,10 @@ def check_capture(profile: Profile, device: str, shards: int, out: Path) -> dict
     return {"shards": rows, "min_cosine": worst, "threshold": floor}
 
 
-def training_subset(profile: Profile, rows: int, view: Path) -> Path:
+def training_subset(prepared: Path, rows: int, view: Path) -> Path:
     """The first ``rows`` extracted rows as a dataset folder of their own, linking the shards."""
     import datasets
 
-    extract = read_manifest(profile, "extract")["outputs"]
-    prepared = stage_dir(profile, "extract") / extract["prepared"]
     table = datasets.load_from_disk(str(prepared))
     table.select(range(min(rows, len(table)))).save_to_disk(str(view))
     for name in ("hidden_states", "token_freq.pt"):
@@ -128,8 +132,8 @@ def training_subset(profile: Profile, rows: int, view: Path) -> Path:
     return view
 
 
-def train_steps(profile: Profile, rows: int, out: Path) -> dict[str, Any]:
-    view = training_subset(profile, rows, out / "data")
+def train_steps(profile: Profile, extract: dict[str, Any], rows: int, out: Path) -> dict[str, Any]:
+    view = training_subset(prepared_dir(profile, extract), rows, out / "data")
     save = out / "checkpoints"
     verifier = resolved_verifier(profile)["model"]
     cmd = train_command(profile, verifier, view, save)
@@ -156,11 +160,12 @@ def run(profile: Profile, device: str, shards: int, rows: int) -> dict[str, Any]
     out = profile.run.run_dir / "gpu-smoke"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    extract = read_manifest(profile, "extract")["outputs"]
     result = {
         "device": device,
         "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "capture": check_capture(profile, device, shards, out / "hidden_states"),
-        "train": train_steps(profile, rows, out),
+        "capture": check_capture(profile, extract, device, shards, out / "hidden_states"),
+        "train": train_steps(profile, extract, rows, out),
         "hardware": hardware(),
         "started_at": started.isoformat(),
         "finished_at": now().isoformat(),
