@@ -9,6 +9,13 @@ Two sources, one shape:
 Only the conversation up to its first user turn is sent, so runs are comparable across
 sources. A prompt whose text is also a training prompt is an error: acceptance measured on
 training data overstates what users will see.
+
+A prompt that cannot fit the server's context with room for the reply (its tokens, counted with
+the verifier's own tokenizer and chat template as vLLM renders them, above
+``server.max_model_len - eval.max_tokens``) is skipped before any server starts, and recorded
+with its id, category and token count (:func:`fit_to_context`): vLLM would cut its reply short
+of ``eval.max_tokens`` (measured unlike the others), or refuse it with a 400 once the prompt
+alone fills ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -123,3 +130,64 @@ def check_held_out(prompts: list[EvalPrompt], responses: Path) -> None:
             "acceptance on them overstates what users will see; remove them from the "
             "evaluation set or from the training data"
         )
+
+
+def prompt_token_counts(
+    prompts: list[EvalPrompt], tokenizer_name: str, profile: Profile
+) -> dict[str, int]:
+    """Each prompt's tokens as vLLM's chat endpoint counts them: the chat template rendered
+    with a generation prompt (and ``generate.chat_template_kwargs``, which eval sends too),
+    then tokenised without special tokens of its own."""
+    from transformers import AutoTokenizer
+
+    v = profile.verifier
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer_name, revision=v.revision, trust_remote_code=v.trust_remote_code
+        )
+    except OSError as err:
+        raise EvalPromptError(
+            f"cannot load the verifier's tokenizer from {tokenizer_name} to count prompt tokens "
+            f"({' '.join(str(err).split())[:200]}); rerun `make verifier`, or cache the model"
+        ) from None
+    counts = {}
+    for p in prompts:
+        text = tokenizer.apply_chat_template(
+            list(p.messages),
+            tokenize=False,
+            add_generation_prompt=True,
+            **profile.generate.chat_template_kwargs,
+        )
+        counts[p.id] = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    return counts
+
+
+def fit_to_context(
+    prompts: list[EvalPrompt], counts: dict[str, int], profile: Profile
+) -> tuple[list[EvalPrompt], dict[str, Any]]:
+    """The prompts that fit ``server.max_model_len`` with ``eval.max_tokens`` to spare, and the
+    record of the others: their ids, categories and token counts, counted per category."""
+    max_model_len, max_tokens = profile.server.max_model_len, profile.eval.max_tokens
+    limit = max_model_len - max_tokens
+    kept = [p for p in prompts if counts[p.id] <= limit]
+    over = [p for p in prompts if counts[p.id] > limit]
+    per_category: dict[str, int] = {}
+    for p in over:
+        per_category[p.category] = per_category.get(p.category, 0) + 1
+    record = {
+        "reason": "prompt_too_long",
+        "max_prompt_tokens": limit,
+        "count": len(over),
+        "per_category": per_category,
+        "prompts": [
+            {"id": p.id, "category": p.category, "prompt_tokens": counts[p.id]} for p in over
+        ],
+    }
+    if not kept:
+        raise EvalPromptError(
+            f"none of the {len(prompts)} evaluation prompts fits server.max_model_len="
+            f"{max_model_len} with eval.max_tokens={max_tokens} to spare (at most {limit} "
+            f"prompt tokens; the shortest has {min(counts[p.id] for p in prompts)}): raise "
+            "server.max_model_len, lower eval.max_tokens, or use shorter prompts"
+        )
+    return kept, record

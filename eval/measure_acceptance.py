@@ -14,10 +14,15 @@ per-position acceptance; then output tokens/s, time per output token and speedup
 baseline at the same concurrency.
 
 Writes ``<run>/eval/results.json`` (every arm and level, per category, losslessness, the
-headline: the EAGLE-3 k with the best batch-size-1 speedup), ``results.md``, three PNG plots,
-``outputs.json`` (every response) and ``manifest.json``.
+headline: the EAGLE-3 k with the best batch-size-1 speedup; the prompts skipped as too long for
+the context), ``results.md``, three PNG plots, ``outputs.json`` (every response, with its token
+ids), ``lm-eval/<arm>.json`` (lm-eval's scores and each document's response, with and without
+the drafter) and ``manifest.json``.
 
 Invariants (each a refusal or an error naming what to check, never a silent number):
+- a prompt longer than ``server.max_model_len - eval.max_tokens`` tokens (the verifier's
+  tokenizer and chat template) is skipped before any server starts and named, with its
+  category and token count, in ``results.json`` and ``results.md``;
 - the drafter's recorded verifier, capture-layer ids and chat-template hash are those served;
 - an EAGLE-3 arm with no draft step, or 0 accepted tokens (acceptance length exactly 1.0);
 - greedy outputs with each drafter are compared token by token with the baseline's, and
@@ -41,7 +46,9 @@ from eval.eval_prompts import (
     by_category,
     check_held_out,
     eval_data_revision,
+    fit_to_context,
     load_eval_prompts,
+    prompt_token_counts,
 )
 from eval.spec_decode_metrics import SpecDecodeCounters, acceptance, scrape
 from pipeline.build_verifier import resolved_verifier
@@ -49,11 +56,11 @@ from pipeline.chat_client import ChatClient
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.manifest import (
-    all_succeeded,
     atomic_write_bytes,
     atomic_write_json,
     drafter_digest,
     now,
+    portable,
     read_manifest,
     stage_dir,
     write_manifest,
@@ -123,6 +130,8 @@ async def send_all(
                 "seed": profile.run.seed,
                 "return_token_ids": True,  # losslessness is checked on tokens, not text
             }
+            if profile.generate.chat_template_kwargs:  # the template the drafter trained on
+                body["chat_template_kwargs"] = profile.generate.chat_template_kwargs
             async with sem:
                 t0 = time.perf_counter()
                 reply = await client.complete(body)
@@ -132,6 +141,7 @@ async def send_all(
                 "category": p.category,
                 "text": choice["message"].get("content") or "",
                 "token_ids": choice.get("token_ids"),
+                "prompt_tokens": reply["usage"]["prompt_tokens"],
                 "completion_tokens": reply["usage"]["completion_tokens"],
                 "latency_s": latency,
             }
@@ -364,6 +374,20 @@ def results_markdown(results: dict[str, Any]) -> str:
                 for m in methods
             )
             lines.append(f"| {cat} | {c['prompts']} | {cells} |")
+    skipped = results["prompts"].get("skipped") or {}
+    if skipped.get("count"):
+        per_category = ", ".join(f"{c} {n}" for c, n in sorted(skipped["per_category"].items()))
+        lines += [
+            "",
+            f"Skipped {skipped['count']} prompts longer than {skipped['max_prompt_tokens']} tokens "
+            f"(server.max_model_len - eval.max_tokens), by category: {per_category}.",
+            "",
+            "| skipped prompt | category | prompt tokens |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {p['id']} | {p['category']} | {p['prompt_tokens']} |" for p in skipped["prompts"]
+        ]
     lossless = results.get("lm_eval")
     if lossless:
         lines += ["", "lm-eval (local-completions), with and without the drafter:", ""]
@@ -413,6 +437,20 @@ def run(profile: Profile) -> dict[str, Any]:
     else:
         check_drafter_matches(profile, train)
         arms = planned_arms(profile)
+    # Before any server starts: a prompt vLLM would refuse for its length is skipped and named.
+    asked = len(prompts)
+    prompts, skipped = fit_to_context(
+        prompts, prompt_token_counts(prompts, verifier, profile), profile
+    )
+    for p in skipped["prompts"]:
+        log.warning(
+            "eval: skipping prompt %s (%s): %d tokens, over server.max_model_len - eval.max_tokens"
+            " = %d",
+            p["id"],
+            p["category"],
+            p["prompt_tokens"],
+            skipped["max_prompt_tokens"],
+        )
     lm_eval_arms = set()
     if profile.eval.lm_eval_tasks and not deployed:
         k_max = max(profile.eval.num_speculative_tokens)
@@ -434,6 +472,8 @@ def run(profile: Profile) -> dict[str, Any]:
                 lm_scores[arm.method] = lossless_lm_eval.score(
                     endpoint, profile, verifier, tasks_dir
                 )
+                # Each document's response and the scores, for anyone to compare arm with arm.
+                atomic_write_json(folder / "lm-eval" / f"{arm.label}.json", lm_scores[arm.method])
         runs.append({"method": arm.method, "k": arm.k, "spec": spec, "levels": levels})
     compare_with_baseline(runs)
     summary = headline(runs)
@@ -445,7 +485,7 @@ def run(profile: Profile) -> dict[str, Any]:
     results: dict[str, Any] = {
         "drafter": train["drafter"],
         "verifier": verifier,
-        "prompts": {"count": len(prompts), **eval_data_revision(profile)},
+        "prompts": {"count": len(prompts), **eval_data_revision(profile), "skipped": skipped},
         "summary": summary,
         "runs": runs,
     }
@@ -468,7 +508,8 @@ def run(profile: Profile) -> dict[str, Any]:
             plots.speedup_by_category(speedups, k, folder / "speedup_by_category.png")
         )
     atomic_write_json(folder / "outputs.json", outputs)
-    atomic_write_json(folder / "results.json", results)
+    # Published: paths relative to the run folder, none of this machine's (pipeline.manifest).
+    atomic_write_json(folder / "results.json", portable(profile, results))
     atomic_write_bytes(folder / "results.md", results_markdown(results).encode())
     log.info(
         "eval: %s k=%d: acceptance rate %.3f, mean acceptance length %.3f (ngram %s), speedup %s",
@@ -483,7 +524,13 @@ def run(profile: Profile) -> dict[str, Any]:
         profile,
         "eval",
         started_at=started,
-        counts=all_succeeded(len(prompts)),
+        counts={
+            "input": asked,
+            "succeeded": len(prompts),
+            "skipped": skipped["count"],
+            "failed": 0,
+            "skip_reasons": {"prompt_too_long": skipped["count"]} if skipped["count"] else {},
+        },
         outputs={
             "results": "results.json",
             "summary": summary,

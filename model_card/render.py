@@ -13,6 +13,10 @@ Invariants:
   and the headline eval results as model-index entries;
 - the card refuses to render from a failed or stale license check, or from eval results of
   another drafter checkpoint than train's (sha256 of its files);
+- it names no path of the machine that built it: the verifier by its Hub id, or, when the
+  verifier is local (the tiny profile builds its own), says so and serves it from the run folder;
+- the data section shows how the prompts were sampled when generate recorded it (manifests
+  written before that have no ``sampling`` and get no sampling lines);
 - the rendered card must reload with ``ModelCard.load`` to the same metadata;
 - the manifest records the drafter checkpoint (sha256) and repo id the card describes, so that
   publish can refuse a card that belongs to another checkpoint or repository.
@@ -30,6 +34,7 @@ from typing import Any
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from pipeline.build_verifier import verifier_path
 from pipeline.config import HUB_REPO_ID, Profile
 from pipeline.errors import PipelineError
 from pipeline.manifest import (
@@ -39,6 +44,7 @@ from pipeline.manifest import (
     drafter_digest,
     now,
     read_manifest,
+    relative_path,
     stage_dir,
     write_manifest,
 )
@@ -65,6 +71,43 @@ def serve_command(verifier: str, drafter_repo: str, k: int, tp: int, remote: boo
         parts.append("--trust-remote-code")
     parts += ["--speculative-config", spec]
     return " ".join(shlex.quote(p) for p in parts)
+
+
+def verifier_view(profile: Profile, recorded: dict[str, Any]) -> dict[str, Any]:
+    """How the card names the verifier and what its `vllm serve` line serves: the Hub id, or,
+    for a local verifier, a path a reader can recreate and a plain note that it is local."""
+    model = profile.verifier.model
+    view = {**recorded, "hub": is_hub_id(model), "built": profile.verifier.build is not None}
+    if view["hub"]:
+        return view | {"name": model, "title": model, "serve": model, "model": model}
+    if view["built"]:
+        return view | {
+            "name": f"{profile.run.name} verifier (built locally)",
+            "title": f"the {profile.run.name} profile's built verifier",
+            "serve": relative_path(profile, verifier_path(profile)),  # verifier/model, in the run
+            "model": relative_path(profile, verifier_path(profile)),
+        }
+    folder = Path(str(model)).name
+    return view | {
+        "name": f"{folder} (a local folder)",
+        "title": f"`{folder}` (a local verifier)",
+        "serve": f"<path to {folder}>",
+        "model": folder,  # its name only: no path of the machine that built it
+    }
+
+
+def sampling_view(generate_outputs: dict[str, Any]) -> dict[str, Any] | None:
+    """What generate recorded about sampling the prompts, totalled; None before it did."""
+    sampling = generate_outputs.get("sampling")
+    if not sampling:
+        return None
+    by_source = sorted((sampling.get("by_source") or {}).items())
+    return {
+        **sampling,
+        "sampled": sum(n["sampled"] for _, n in by_source),
+        "available": sum(n["available"] for _, n in by_source),
+        "by_source": [{"source": source, **n} for source, n in by_source],
+    }
 
 
 def is_hub_id(name: str | None) -> bool:
@@ -138,8 +181,7 @@ def run(profile: Profile) -> dict[str, Any]:
             "`make eval`, then `make card`"
         )
     summary = results["summary"]
-    verifier = m["verifier"]["outputs"]
-    verifier_name = profile.verifier.model or verifier["model"]
+    verifier = verifier_view(profile, m["verifier"]["outputs"])
     model_name = f"{profile.run.name}-eagle3"
     plots = []
     for plot in results.get("plots", []):
@@ -154,17 +196,11 @@ def run(profile: Profile) -> dict[str, Any]:
     train_manifest = m["train"]
     body = env.get_template(TEMPLATE.name).render(
         card_data=card_data.to_yaml(),
-        verifier={
-            **verifier,
-            "name": verifier_name,
-            "title": profile.verifier.model or f"the {profile.run.name} profile's built verifier",
-            "hub": is_hub_id(profile.verifier.model),
-            "built": profile.verifier.build is not None,
-        },
+        verifier=verifier,
         run_name=profile.run.name,
         git=train_manifest["git"],
         serve_command=serve_command(
-            verifier_name,
+            verifier["serve"],
             drafter_repo_id(profile),
             summary["num_speculative_tokens"],
             profile.server.tensor_parallel_size,
@@ -172,15 +208,19 @@ def run(profile: Profile) -> dict[str, Any]:
         ),
         packages=m["eval"]["packages"],
         eval=summary,
-        eval_dataset=profile.data.eval_dataset,
+        eval_dataset=relative_path(profile, str(profile.data.eval_dataset)),
         eval_table="".join(  # its headline line repeats the table above it
             line
             for line in (stage_dir(profile, "eval") / "results.md").read_text().splitlines(True)
             if not line.startswith("Headline:")
         ).strip(),
         plots=plots,
-        data=m["generate"]["data_revision"],
+        data={
+            **m["generate"]["data_revision"],
+            "dataset": relative_path(profile, str(m["generate"]["data_revision"]["dataset"])),
+        },
         generate=m["generate"]["counts"],
+        sampling=sampling_view(m["generate"]["outputs"]),
         licenses=licenses,
         extract=m["extract"]["outputs"],
         train=train_manifest["outputs"],

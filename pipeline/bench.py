@@ -153,7 +153,7 @@ def bench_client(profile: Profile, base: str, folder: Path, args: argparse.Names
         out.unlink(missing_ok=True)
         writer = ResponseWriter(out)
         try:
-            (tally,) = asyncio.run(regenerate_all(profile, [endpoint], rows, writer))
+            (tally,), _ = asyncio.run(regenerate_all(profile, [endpoint], rows, writer))
             failed = tally["failed"]
         finally:
             writer.close()

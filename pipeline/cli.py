@@ -2,6 +2,11 @@
 
 Deliberately limited to argument parsing and error reporting; stage logic lives in the stage
 modules. Every stage is run as ``python -m <module> --config PROFILE [section.field=value ...]``.
+
+Invariant: a stage that fails on a user error (a :class:`PipelineError`, or any error a server
+caused: an HTTP error status, a refused connection, a timeout) ends with exactly one line,
+``error: <the thing and the fix>``, and exit status 2, never a traceback. Detail lines of a
+message (the quoted tail of a log) come before that line, each prefixed ``  | ``.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.chat_client import server_error
 from pipeline.config import Profile, load_profile
-from pipeline.errors import PipelineError
 
 
 def stage_parser(stage: str) -> argparse.ArgumentParser:
@@ -37,11 +42,27 @@ def report(fn: Callable[[], dict[str, Any]]) -> None:
         logging.getLogger(client).setLevel(logging.WARNING)
     try:
         manifest = fn()
-    except PipelineError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except KeyboardInterrupt:
+        fail("interrupted (Ctrl-C); what was finished is kept: rerun the stage to do the rest")
+    except Exception as err:
+        user_error = server_error(err)  # a PipelineError, or what a server caused, as one
+        if user_error is None:
+            raise
+        fail(str(user_error))
     summary = {k: manifest.get(k) for k in ("stage", "counts", "wall_time_s", "bytes")}
     print(json.dumps(summary))
+
+
+def fail(message: str) -> None:
+    """Print ``message`` as the stage's last line, ``error: ...``, and exit 2; any lines after
+    its first (a log's tail) go before it, marked as quoted."""
+    headline, *details = message.strip().splitlines() or ["(no message)"]
+    for line in details:
+        print(f"  | {line}", file=sys.stderr)
+    if details and headline.endswith(":"):
+        headline = headline[:-1] + " (its last lines above)"
+    print(f"error: {headline}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run_stage(stage: str, fn: Callable[[Profile], dict[str, Any]], argv: list[str] | None) -> None:

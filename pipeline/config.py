@@ -159,8 +159,12 @@ class DataConfig(StrictModel):
     dataset: str
     revision: str | None = None
     split: str = "train"
+    # At most this many prompts: a random sample drawn with sample_seed, stratified by `source`
+    # in proportion to each source's share. None: every row.
     max_samples: PositiveInt | None = None
-    # A row that breaks the schema (or repeats an id): stop with its error, or skip and count it.
+    sample_seed: int = 0
+    # A line or row that breaks the schema (bad JSON or UTF-8, a missing field, a repeated id):
+    # stop with its file and line number, or skip it and record it in generate/skipped.jsonl.
     on_malformed_row: Literal["error", "skip"] = "error"
     # Held-out prompts for eval, same schema and loader.
     eval_dataset: str
@@ -295,7 +299,9 @@ class MachineProfile(StrictModel):
 class PlanConfig(StrictModel):
     """The planner's assumptions; a pilot run's manifests replace the measurable ones."""
 
-    tokens_per_sample: PositiveInt = 1024  # prompt + response, all turns
+    # Hidden-state tokens per prompt read: the sum over its training rows (one per assistant
+    # turn, each with its context).
+    tokens_per_sample: PositiveInt = 1024
     completion_tokens_per_sample: PositiveInt = 512
     train_tokens_per_step: PositiveInt = 4096
     # Free space to plan against; None measures the volume that holds run.output_dir.

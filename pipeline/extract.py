@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -46,6 +47,7 @@ from safetensors import safe_open
 
 from pipeline.atomic_files import atomic_write_bytes, free_bytes, remove_temporaries
 from pipeline.build_verifier import resolved_verifier
+from pipeline.chat_client import ServerRejectedError
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.logged_process import run_logged
@@ -137,9 +139,26 @@ def write_conversations(generate_dir: Path, responses: str, out: Path) -> dict[s
     return {"conversations": len(lines), "assistant_turns": turns}
 
 
-def speculators_cli(*args: str, log_path: Path) -> None:
+# How speculators' HTTP clients log a server's error answer: its render client, and openai's.
+SERVER_ANSWER = re.compile(r"(?:endpoint returned|Error code:) (\d{3})(?::| -) (.*)")
+
+
+def speculators_cli(*args: str, log_path: Path, server: str) -> None:
+    """Run a speculators command; when it failed because ``server`` answered with an HTTP
+    error (found in its log), say that on one line instead of quoting its traceback."""
     cmd = [sys.executable, "-m", "speculators", *args]
-    run_logged(cmd, log_path, ExtractError, f"speculators {args[0]}")
+    start = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to
+    try:
+        run_logged(cmd, log_path, ExtractError, f"speculators {args[0]}")
+    except ExtractError:
+        with open(log_path, "rb") as fh:
+            fh.seek(start)
+            answers = SERVER_ANSWER.findall(fh.read().decode(errors="replace"))
+        if not answers:
+            raise
+        status, body = answers[-1]
+        said = ServerRejectedError(int(status), body, server)
+        raise ExtractError(f"speculators {args[0]} failed: {said}; log {log_path}") from None
 
 
 def prepared_stats(prepared: Path, max_seq_len: int) -> dict[str, int]:
@@ -237,6 +256,7 @@ def store_hidden_states(
                 "--max-retries", str(profile.generate.max_retries),
                 *validate,
                 log_path=folder / "generate-offline-data.log",
+                server=endpoint.v1,
             )  # fmt: skip
     except ExtractError as err:
         failure: ExtractError | None = err
@@ -296,6 +316,7 @@ def run(profile: Profile) -> dict[str, Any]:
                 "--no-skip-token-freq",
                 *(["--trust-remote-code"] if profile.verifier.trust_remote_code else []),
                 log_path=folder / "prepare-data.log",
+                server=endpoint.base_url,
             )  # fmt: skip
         stats = prepared_stats(prepared, profile.extract.max_seq_len)
         expected = stats["tokens"] * bytes_per_token(profile)

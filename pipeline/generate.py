@@ -23,6 +23,12 @@ Invariants:
 - with ``generate.replica_urls`` the prompts are spread over several running servers, each at
   ``generate.concurrency``, pulled from one queue (a faster or less loaded replica takes more);
   a dead replica's prompts fail after retries and are redone by the rerun;
+- a skipped conversation's record keeps its id, source, usage and reason but no text (an
+  over-long prompt's megabyte stays out of ``responses.jsonl``); every skipped row, malformed
+  input lines included, is listed in ``skipped.jsonl`` with its place in the input (file and
+  1-based line number) and reason, rewritten atomically from the records on every run;
+- ``data.max_samples`` is a seeded sample stratified by source (pipeline.prompts); the manifest
+  records it under ``outputs.sampling``;
 - counts: ``succeeded + skipped + failed == input``, with the skips by reason.
 """
 
@@ -37,17 +43,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic_files import atomic_write_bytes
 from pipeline.build_verifier import resolved_verifier
-from pipeline.chat_client import REQUEST_ERRORS, ChatClient, ServerRejectedError
+from pipeline.chat_client import (
+    REQUEST_ERRORS,
+    ChatClient,
+    ServerRejectedError,
+    context_length_exceeded,
+    server_error,
+)
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.manifest import now, stage_dir, write_manifest
 from pipeline.progress import progress
-from pipeline.prompts import PromptRow, data_revision, load_prompts
+from pipeline.prompts import PromptRow, PromptSet, data_revision, load_prompt_set
 from pipeline.vllm_server import Endpoint, attach, vllm_server
 
 log = logging.getLogger(__name__)
 RESPONSES = "responses.jsonl"
+SKIPPED = "skipped.jsonl"
+SKIP_DETAIL = {
+    "prompt_too_long": "the server rejected the conversation as over server.max_model_len",
+    "empty_response": "the verifier answered nothing",
+    "reasoning_only_response": "reasoning but no answer (generate.keep_reasoning_only=false)",
+    "truncated_response": "stopped at generate.max_tokens (generate.on_truncated=skip)",
+}
 
 
 def finished_ids(path: Path) -> set[str]:
@@ -114,14 +134,6 @@ def request_body(profile: Profile, endpoint: Endpoint, messages: list[dict]) -> 
     return body
 
 
-def prompt_too_long(err: ServerRejectedError) -> bool:
-    """vLLM's 400 for a conversation over ``server.max_model_len`` (a fact of the row)."""
-    text = err.text.lower()
-    return err.status == 400 and (
-        "context length" in text or "max_model_len" in text or "too long" in text
-    )
-
-
 def skip_reason(profile: Profile, content: str, reasoning: str | None, finish: str | None):
     """Why a reply ends its conversation unkept, by the profile's policies; None to keep it."""
     if not content.strip():
@@ -154,7 +166,7 @@ async def regenerate_row(
         try:
             reply = await client.complete(request_body(profile, endpoint, history))
         except ServerRejectedError as err:
-            if not prompt_too_long(err):
+            if not context_length_exceeded(err.status, err.text):
                 raise
             skip = "prompt_too_long"
             break
@@ -176,7 +188,7 @@ async def regenerate_row(
     return {
         "id": row.id,
         "source": row.source,
-        "conversations": turns,
+        "conversations": [] if skip else turns,
         "finish_reasons": finish_reasons,
         "usage": usage,
         "skip_reason": skip,
@@ -185,15 +197,17 @@ async def regenerate_row(
 
 async def regenerate_all(
     profile: Profile, endpoints: list[Endpoint], todo: list[PromptRow], writer: ResponseWriter
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Regenerate ``todo`` over ``endpoints``, ``generate.concurrency`` requests in flight on
     each; a free worker takes the next prompt, so a faster replica does more. Return, per
-    endpoint, how many prompts it finished and how many failed."""
+    endpoint, how many prompts it finished and how many failed, and the last error of each
+    endpoint that had one (one line, for the stage's message)."""
     g = profile.generate
     queue: asyncio.Queue[PromptRow] = asyncio.Queue()
     for row in todo:
         queue.put_nowait(row)
     tally = [{"base_url": e.base_url, "finished": 0, "failed": 0} for e in endpoints]
+    last_error: dict[str, str] = {}
     bar = progress(total=len(todo), desc="generate", unit="prompt")
 
     async def worker(client: ChatClient, endpoint: Endpoint, counts: dict[str, Any]) -> None:
@@ -204,6 +218,7 @@ async def regenerate_all(
             except (*REQUEST_ERRORS, KeyError, ValueError) as err:
                 log.warning("prompt %s failed on %s: %r", row.id, endpoint.base_url, err)
                 counts["failed"] += 1
+                last_error[endpoint.base_url] = str(server_error(err) or repr(err))
             else:
                 writer.write(record)  # skips too: they are finished, with a reason
                 counts["finished"] += 1
@@ -229,7 +244,7 @@ async def regenerate_all(
             stop_syncing.set()
             await syncer
     bar.close()
-    return tally
+    return tally, last_error
 
 
 @contextlib.contextmanager
@@ -247,44 +262,52 @@ def read_responses(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run(profile: Profile) -> dict[str, Any]:
-    started = now()
-    verifier = resolved_verifier(profile)
-    folder = stage_dir(profile, "generate")
-    folder.mkdir(parents=True, exist_ok=True)
+def load_input(profile: Profile) -> PromptSet:
     d = profile.data
-    rejected: dict[str, str] | None = {} if d.on_malformed_row == "skip" else None
-    rows = load_prompts(d.dataset, d.revision, d.split, d.max_samples, rejected)
-    for where, why in (rejected or {}).items():
-        log.warning("generate: skipping malformed %s: %s", where, why)
-    out = folder / RESPONSES
-    done = finished_ids(out)
-    todo = [r for r in rows if r.id not in done]
-    log.info("generate: %d prompts, %d already finished, %d to do", len(rows), len(done), len(todo))
-    replicas: list[dict[str, Any]] = []
-    if todo:
-        writer = ResponseWriter(out)
-        try:
-            with generation_endpoints(profile, verifier["model"], folder / "vllm.log") as eps:
-                replicas = asyncio.run(regenerate_all(profile, eps, todo, writer))
-        finally:
-            writer.close()
-    # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
-    wanted = {r.id for r in rows}
-    records = [r for r in read_responses(out) if r["id"] in wanted]
+    prompts = load_prompt_set(
+        d.dataset,
+        d.revision,
+        d.split,
+        d.max_samples,
+        seed=d.sample_seed,
+        on_malformed=d.on_malformed_row,
+    )
+    for bad in prompts.rejected:
+        log.warning("generate: skipping %s (%s): %s", bad.where, bad.reason, bad.detail)
+    return prompts
+
+
+def write_skipped(path: Path, prompts: PromptSet, records: list[dict[str, Any]]) -> int:
+    """Every skipped row, its place in the input and why, one JSON line each; returns the count."""
+    where = {r.id: r.where for r in prompts.rows}
+    lines = [bad.record() for bad in prompts.rejected]
+    lines += [
+        {
+            "where": where[r["id"]],
+            "reason": r["skip_reason"],
+            "detail": SKIP_DETAIL.get(r["skip_reason"], r["skip_reason"]),
+            "id": r["id"],
+            "source": r["source"],
+        }
+        for r in records
+        if r["skip_reason"]
+    ]
+    atomic_write_bytes(
+        path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
+    )
+    return len(lines)
+
+
+def count_records(prompts: PromptSet, records: list[dict[str, Any]]) -> dict[str, Any]:
     kept = [r for r in records if not r["skip_reason"]]
-    skip_reasons: dict[str, int] = {}
-    for r in records:
-        if r["skip_reason"]:
-            skip_reasons[r["skip_reason"]] = skip_reasons.get(r["skip_reason"], 0) + 1
-    if rejected:
-        skip_reasons["malformed_row"] = len(rejected)
-    counts = {
-        "input": len(rows) + len(rejected or {}),
+    reasons = [r["skip_reason"] for r in records if r["skip_reason"]]
+    reasons += [bad.reason for bad in prompts.rejected]
+    return {
+        "input": len(prompts.rows) + len(prompts.rejected),
         "succeeded": len(kept),
-        "skipped": len(records) - len(kept) + len(rejected or {}),
-        "failed": len(rows) - len(records),
-        "skip_reasons": skip_reasons,
+        "skipped": len(reasons),
+        "failed": len(prompts.rows) - len(records),
+        "skip_reasons": {why: reasons.count(why) for why in sorted(set(reasons))},
         "truncated": sum("length" in r["finish_reasons"] for r in kept),
         "with_reasoning": sum(
             any("reasoning_content" in t for t in r["conversations"]) for r in kept
@@ -292,6 +315,37 @@ def run(profile: Profile) -> dict[str, Any]:
         "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in kept),
         "completion_tokens": sum(r["usage"]["completion_tokens"] for r in kept),
     }
+
+
+def run(profile: Profile) -> dict[str, Any]:
+    started = now()
+    verifier = resolved_verifier(profile)
+    folder = stage_dir(profile, "generate")
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = load_input(profile)
+    out = folder / RESPONSES
+    done = finished_ids(out)
+    todo = [r for r in prompts.rows if r.id not in done]
+    log.info(
+        "generate: %d prompts, %d already finished, %d to do",
+        len(prompts.rows),
+        len(done),
+        len(todo),
+    )
+    replicas: list[dict[str, Any]] = []
+    last_error: dict[str, str] = {}
+    if todo:
+        writer = ResponseWriter(out)
+        try:
+            with generation_endpoints(profile, verifier["model"], folder / "vllm.log") as eps:
+                replicas, last_error = asyncio.run(regenerate_all(profile, eps, todo, writer))
+        finally:
+            writer.close()
+    # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
+    wanted = {r.id for r in prompts.rows}
+    records = [r for r in read_responses(out) if r["id"] in wanted]
+    write_skipped(folder / SKIPPED, prompts, records)
+    counts = count_records(prompts, records)
     if counts["failed"]:
         # No manifest: the stage is unfinished, so later stages refuse to read a partial set.
         (folder / "manifest.json").unlink(missing_ok=True)
@@ -299,13 +353,20 @@ def run(profile: Profile) -> dict[str, Any]:
             f"generate: {counts['failed']} of {counts['input']} prompts failed after retries "
             f"(server log: {folder / 'vllm.log'} when started here); the "
             f"{len(records)} finished records are kept; rerun `make generate` to do the rest"
+            + "".join(f"; last error from {url}: {why}" for url, why in last_error.items())
         )
+    d = profile.data
     return write_manifest(
         profile,
         "generate",
         started_at=started,
         counts=counts,
-        outputs={"responses": RESPONSES, "replicas": replicas},  # this run's share of each
+        outputs={
+            "responses": RESPONSES,
+            "skipped": SKIPPED,
+            "sampling": prompts.sampling.record(),
+            "replicas": replicas,  # this run's share of each
+        },
         inputs=("verifier",),
         data_revision=data_revision(d.dataset, d.revision),
     )

@@ -2,15 +2,23 @@
 
 Stages call external tools (speculators' CLIs, the trainer) this way so that a long run keeps
 the whole output on disk while an error message stays short and points at the file.
+
+The tool runs under :mod:`pipeline.server_guard` in a process group of its own, like a vLLM
+server: it dies with the stage however the stage ends (a SIGKILLed stage must not leave a
+trainer holding the GPUs), and an exception here (Ctrl-C) stops the group before it propagates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import subprocess
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.server_guard import GRACE_S, guarded
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +41,20 @@ def run_logged(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("%s: %s (log %s)", what, " ".join(cmd), log_path)
     with open(log_path, "ab") as fh:
-        code = subprocess.run(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False
-        ).returncode
+        proc = subprocess.Popen(
+            guarded(cmd),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted here: the guard stops the tool and its workers
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=3 * GRACE_S + 10)
     if code:
         raise error(f"{what} failed with status {code}; log {log_path}:\n{log_tail(log_path)}")

@@ -9,6 +9,12 @@ the expected tokens per sample and the machine profiles). Where a pilot or parti
 same profile has finished stages, their manifests replace the guesses: measured tokens per
 sample and measured rates. Each figure says whether it was measured or assumed.
 
+A sample is one prompt that `generate` reads (``planned_samples``), and every per-sample figure
+is measured per such prompt: extracted tokens and generated tokens are divided by the prompts
+generate read, not by the conversations it kept nor by the training rows extract made (one per
+assistant turn, so a multi-turn conversation is several rows). So samples x tokens per sample x
+bytes per token is what a run of that many prompts writes, skips and multi-turn rows included.
+
 With ``--check`` (what ``make hero-run`` runs first) a run whose hidden states would not fit on
 the target volume is refused before anything starts, with the remedies and their figures.
 """
@@ -26,7 +32,7 @@ from pipeline.config import MachineProfile, Profile, load_profile
 from pipeline.errors import PipelineError
 from pipeline.extract import bytes_per_token, captured_layer_ids, element_bytes
 from pipeline.manifest import StageInputError, read_manifest
-from pipeline.prompts import load_rows, resolve_local
+from pipeline.prompts import count_rows, resolve_local
 
 TB = 10**12
 
@@ -56,30 +62,51 @@ def _manifest(profile: Profile, stage: str) -> dict[str, Any] | None:
         return None
 
 
+def prompts_read(generate: dict[str, Any]) -> int:
+    """The prompts a finished generate read: what data.max_samples drew (its sampling record),
+    the same number ``planned_samples`` plans; older manifests have only counts.input."""
+    sampling = generate["outputs"].get("sampling")
+    if sampling:
+        return sum(s["sampled"] for s in sampling["by_source"].values())
+    return generate["counts"]["input"]
+
+
 def measured_or_assumed(profile: Profile) -> dict[str, Figure]:
-    """Tokens per sample and local rates: from finished stages where they exist."""
+    """Per-sample figures and local rates: from finished stages where they exist.
+
+    A sample is a prompt generate read (kept, skipped or malformed alike), so the measured
+    figures are totals divided by the prompts generate read.
+    """
     p = profile.plan
     figures = {
         "tokens_per_sample": Figure(p.tokens_per_sample, "assumed (plan.tokens_per_sample)"),
         "completion_tokens_per_sample": Figure(
             p.completion_tokens_per_sample, "assumed (plan.completion_tokens_per_sample)"
         ),
+        # Training rows per sample: one per assistant turn (extract.max_seq_len caps each row).
+        "rows_per_sample": Figure(1, "assumed (one row per sample)"),
     }
     gen, ext = _manifest(profile, "generate"), _manifest(profile, "extract")
-    if gen and gen["counts"]["succeeded"]:
-        n = gen["counts"]["succeeded"]
+    prompts = prompts_read(gen) if gen else 0
+    if prompts and gen["counts"]["succeeded"]:
+        counts = gen["counts"]
         figures["completion_tokens_per_sample"] = Figure(
-            gen["counts"]["completion_tokens"] / n, f"measured (generate, {n} samples)"
+            counts["completion_tokens"] / prompts, f"measured (generate, {prompts} prompts)"
         )
-        figures["generate_tokens_per_s"] = Figure(
-            gen["counts"]["completion_tokens"] / gen["wall_time_s"], "measured (generate)"
-        )
-    if ext and ext["outputs"]["rows"]:
+        # Counts cover every record in the file, the wall time only the last invocation: rate
+        # its share (the prompts its replicas finished), none when a rerun found all done.
+        replicas = gen["outputs"].get("replicas")
+        here = None if replicas is None else sum(r["finished"] for r in replicas)
+        share = 1.0 if here is None else min(here / counts["succeeded"], 1.0)
+        if share and gen["wall_time_s"] > 0:
+            figures["generate_tokens_per_s"] = Figure(
+                counts["completion_tokens"] * share / gen["wall_time_s"], "measured (generate)"
+            )
+    if prompts and ext and ext["outputs"]["rows"]:
         out = ext["outputs"]
-        conversations = ext["counts"]["succeeded"]
-        figures["tokens_per_sample"] = Figure(
-            out["tokens"] / conversations, f"measured (extract, {conversations} samples)"
-        )
+        source = f"measured (extract, {out['rows']} rows of {prompts} prompts)"
+        figures["tokens_per_sample"] = Figure(out["tokens"] / prompts, source)
+        figures["rows_per_sample"] = Figure(out["rows"] / prompts, source)
         figures["extract_tokens_per_s"] = Figure(
             out["tokens"] / ext["wall_time_s"], "measured (extract)"
         )
@@ -87,13 +114,14 @@ def measured_or_assumed(profile: Profile) -> dict[str, Figure]:
 
 
 def planned_samples(profile: Profile) -> int:
-    """data.max_samples, or the row count of a local prompt set."""
+    """How many prompts generate will read: data.max_samples, at most the rows of a local set."""
     d = profile.data
-    if d.max_samples is not None:
-        return d.max_samples
     if resolve_local(d.dataset) is None:
-        raise PlanError(f"set data.max_samples: the planner does not download {d.dataset!r}")
-    return len(load_rows(d.dataset, d.revision, d.split))
+        if d.max_samples is None:
+            raise PlanError(f"set data.max_samples: the planner does not download {d.dataset!r}")
+        return d.max_samples
+    rows = count_rows(d.dataset, d.revision, d.split)
+    return rows if d.max_samples is None else min(d.max_samples, rows)
 
 
 def phase_hours(
@@ -122,7 +150,12 @@ def phase_hours(
 
 
 def remedies_for(
-    profile: Profile, samples: int, per_sample: float, budget: float, local: dict[str, Any]
+    profile: Profile,
+    samples: int,
+    per_sample: float,
+    rows_per_sample: float,
+    budget: float,
+    local: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """Each profile switch that shrinks the stored hidden states, with its figures."""
     if budget <= 0:  # below the reserve already: no switch can make room
@@ -138,7 +171,8 @@ def remedies_for(
         ]
     bpt = bytes_per_token(profile)
     tokens = samples * per_sample
-    fit_len = max(0, int(budget / bpt / samples)) if samples else 0
+    # extract.max_seq_len caps each row, and a sample is rows_per_sample rows.
+    fit_len = max(0, int(budget / bpt / samples / rows_per_sample)) if samples else 0
     fit_samples = max(0, int(budget / bpt / per_sample)) if per_sample else 0
     extraction = local["hours"]["extraction"]
     remedies = []
@@ -166,8 +200,8 @@ def remedies_for(
     return [
         *remedies,
         {
-            "remedy": f"shorter sequences: at most {fit_len} tokens per sample",
-            "hidden_state_bytes": samples * min(per_sample, fit_len) * bpt,
+            "remedy": f"shorter sequences: at most {fit_len} tokens per row",
+            "hidden_state_bytes": samples * min(per_sample, rows_per_sample * fit_len) * bpt,
             "fits": fit_len > 0,
             "switch": f"extract.max_seq_len={fit_len}",
         },
@@ -183,7 +217,10 @@ def remedies_for(
 def build_plan(profile: Profile) -> dict[str, Any]:
     figures = measured_or_assumed(profile)
     samples = planned_samples(profile)
-    per_sample = min(figures["tokens_per_sample"].value, profile.extract.max_seq_len)
+    rows_per_sample = figures["rows_per_sample"].value
+    per_sample = min(
+        figures["tokens_per_sample"].value, rows_per_sample * profile.extract.max_seq_len
+    )
     tokens = samples * per_sample
     bpt = bytes_per_token(profile)
     hidden = tokens * bpt if profile.extract.mode == "offline" else 0
@@ -210,7 +247,7 @@ def build_plan(profile: Profile) -> dict[str, Any]:
         )
     remedies = []
     if hidden > budget:
-        remedies = remedies_for(profile, samples, per_sample, budget, machines[0])
+        remedies = remedies_for(profile, samples, per_sample, rows_per_sample, budget, machines[0])
     return {
         "samples": samples,
         "tokens_per_sample": figures["tokens_per_sample"],

@@ -1,20 +1,32 @@
-"""Load prompt sets in open-perfectblend's schema through ``datasets``, local or from the Hub.
+"""Load prompt sets in open-perfectblend's schema, local or from the Hub, and sample them.
 
 A row is ``{"id"?: str, "conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...],
-"source": str}``. The same loader reads a shipped JSONL file and a Hub dataset id; a Hub id must
-be pinned by a revision so that the data a drafter was trained on can be named exactly.
+"source": str}``. A local JSONL file is read line by line here (so that one broken line of a
+million is named by its 1-based line number, not a parser's traceback); parquet files and Hub
+datasets go through ``datasets``, and a Hub id must be pinned by a revision so that the data a
+drafter was trained on can be named exactly.
 
-Rows are normalised to :class:`PromptRow` with OpenAI-style roles. A row without an ``id`` gets
-a stable one derived from its content, so that resume-by-id survives reordering.
+Invariants:
+- every input line or row is accounted for: a :class:`PromptRow`, or a :class:`RejectedRow`
+  with its place (``<file> line N``, 1-based; ``row N`` for a Hub or parquet dataset) and its
+  reason (``invalid_utf8``, ``invalid_json``, ``malformed_row``, ``duplicate_id``,
+  ``empty_line``); with ``on_malformed="error"`` the first rejected row (empty lines aside) is
+  one :class:`PromptDataError` naming the place and the fix;
+- ``max_samples`` draws a seeded random sample, stratified by ``source`` in proportion to each
+  source's share (largest remainders), so a prompt set ordered by source is not cut to its
+  first sources; the rows keep their file order; :class:`Sampling` records seed and counts;
+- a row without an ``id`` gets a stable one derived from its content, so that resume-by-id
+  survives reordering.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import datasets
 
@@ -30,6 +42,8 @@ ROLE_OF = {
     "assistant": "assistant",
 }
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+NO_SOURCE = "(no source)"  # the stratum of lines too broken to name their source
+SKIP_HINT = "set data.on_malformed_row=skip to leave such rows out and count them"
 
 
 class PromptDataError(PipelineError, ValueError):
@@ -42,11 +56,64 @@ class PromptRow:
     source: str
     # OpenAI-style messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]
     messages: tuple[dict[str, str], ...]
+    where: str = ""  # "<file> line N" or "row N": where the row came from
 
     def first_exchange_prompt(self) -> list[dict[str, str]]:
         """The conversation up to and including its first user turn."""
         upto = next(i for i, m in enumerate(self.messages) if m["role"] == "user")
         return list(self.messages[: upto + 1])
+
+
+RejectReason = Literal[
+    "invalid_utf8", "invalid_json", "malformed_row", "duplicate_id", "empty_line"
+]
+
+
+@dataclass(frozen=True)
+class RejectedRow:
+    where: str
+    reason: RejectReason
+    detail: str
+    id: str | None = None
+    source: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the rows were chosen: all of them, or ``max_samples`` drawn with ``seed``."""
+
+    method: Literal["all", "stratified", "random"]
+    seed: int
+    max_samples: int | None
+    # source -> {"available": rows of that source in the set, "sampled": rows drawn}
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    rows: list[PromptRow]
+    rejected: list[RejectedRow]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One input line or row before validation: its data, or why it has none."""
+
+    where: str
+    data: dict[str, Any] | None
+    problem: RejectedRow | None = None
+
+    @property
+    def source(self) -> str:
+        src = self.data.get("source") if self.data is not None else None
+        return src if isinstance(src, str) and src else NO_SOURCE
 
 
 def resolve_local(name: str) -> Path | None:
@@ -57,18 +124,53 @@ def resolve_local(name: str) -> Path | None:
     return None
 
 
-def load_rows(dataset: str, revision: str | None, split: str) -> datasets.Dataset:
+def local_files(dataset: str, local: Path) -> list[Path]:
+    files = [local] if local.is_file() else sorted(local.glob("*.jsonl"))
+    if not files:
+        raise PromptDataError(f"{dataset}: no .jsonl files in this folder")
+    if files[0].suffix not in LOCAL_FORMATS:
+        raise PromptDataError(
+            f"{files[0]}: unsupported file type; use one of {', '.join(LOCAL_FORMATS)}"
+        )
+    return files
+
+
+def parse_line(where: str, raw: bytes) -> _Candidate:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return _Candidate(where, None, RejectedRow(where, "invalid_utf8", f"not UTF-8: {err}"))
+    if not text.strip():
+        return _Candidate(where, None, RejectedRow(where, "empty_line", "an empty line"))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        return _Candidate(where, None, RejectedRow(where, "invalid_json", f"not JSON: {err}"))
+    if not isinstance(data, dict):
+        return _Candidate(
+            where, None, RejectedRow(where, "malformed_row", "not a JSON object (one row a line)")
+        )
+    return _Candidate(where, data)
+
+
+def read_jsonl(dataset: str, files: list[Path], local: Path) -> list[_Candidate]:
+    """Every line of every file, parsed; named ``<dataset>[/<file>] line N``."""
+    out = []
+    for f in files:
+        name = dataset if f == local else f"{dataset.rstrip('/')}/{f.name}"
+        for number, raw in enumerate(f.read_bytes().splitlines(), 1):
+            out.append(parse_line(f"{name} line {number}", raw))
+    return out
+
+
+def load_table(dataset: str, revision: str | None, split: str) -> datasets.Dataset:
+    """A parquet/JSON file or folder through ``datasets``, or a pinned Hub dataset."""
     local = resolve_local(dataset)
     if local is not None:
-        files = [local] if local.is_file() else sorted(local.glob("*.jsonl"))
-        if not files:
-            raise PromptDataError(f"{local}: no .jsonl files in this folder")
-        fmt = LOCAL_FORMATS.get(files[0].suffix)
-        if fmt is None:
-            raise PromptDataError(
-                f"{files[0]}: unsupported file type; use one of {', '.join(LOCAL_FORMATS)}"
-            )
-        return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
+        files = local_files(dataset, local)
+        return datasets.load_dataset(
+            LOCAL_FORMATS[files[0].suffix], data_files=[str(f) for f in files], split="train"
+        )
     if revision is None:
         raise PromptDataError(
             f"dataset {dataset!r} is not a local path, so it is read from the Hub and must be "
@@ -83,72 +185,150 @@ def load_rows(dataset: str, revision: str | None, split: str) -> datasets.Datase
         ) from err
 
 
+def count_rows(dataset: str, revision: str | None, split: str) -> int:
+    """How many non-empty rows the set holds (what ``max_samples`` draws from)."""
+    local = resolve_local(dataset)
+    if local is not None and local_files(dataset, local)[0].suffix == ".jsonl":
+        files = local_files(dataset, local)
+        return sum(bool(line.strip()) for f in files for line in f.read_bytes().splitlines())
+    return len(load_table(dataset, revision, split))
+
+
+def allot(available: dict[str, int], n: int) -> dict[str, int]:
+    """``n`` split over the strata in proportion to their sizes, by largest remainders."""
+    total = sum(available.values())
+    exact = {s: n * c / total for s, c in available.items()}
+    quota = {s: int(q) for s, q in exact.items()}
+    by_remainder = sorted(available, key=lambda s: (quota[s] - exact[s], s))
+    for s in by_remainder[: n - sum(quota.values())]:
+        quota[s] += 1
+    return quota
+
+
+def sample_indices(
+    sources: list[str] | None, n: int | None, seed: int
+) -> tuple[list[int], Sampling]:
+    """Indices to keep, ascending, and the record of how they were drawn."""
+    size = len(sources) if sources is not None else 0
+    strata: dict[str, list[int]] = {}
+    for i, s in enumerate(sources or ()):
+        strata.setdefault(s, []).append(i)
+    available = {s: len(ix) for s, ix in sorted(strata.items())}
+    if n is None or n >= size:
+        return list(range(size)), Sampling(
+            "all", seed, n, {s: {"available": c, "sampled": c} for s, c in available.items()}
+        )
+    rng = random.Random(seed)
+    quota = allot(available, n)
+    picked = sorted(i for s in available for i in rng.sample(strata[s], quota[s]))
+    method = "stratified" if len(available) > 1 else "random"
+    by_source = {s: {"available": c, "sampled": quota[s]} for s, c in available.items()}
+    return picked, Sampling(method, seed, n, by_source)
+
+
+def candidates(
+    dataset: str, revision: str | None, split: str, max_samples: int | None, seed: int
+) -> tuple[list[_Candidate], list[RejectedRow], Sampling]:
+    """The sampled candidates, the empty lines (never candidates), and the sampling record."""
+    local = resolve_local(dataset)
+    if local is not None and local_files(dataset, local)[0].suffix == ".jsonl":
+        parsed = read_jsonl(dataset, local_files(dataset, local), local)
+        empty = [c.problem for c in parsed if c.problem and c.problem.reason == "empty_line"]
+        lines = [c for c in parsed if not (c.problem and c.problem.reason == "empty_line")]
+        picked, sampling = sample_indices([c.source for c in lines], max_samples, seed)
+        return [lines[i] for i in picked], empty, sampling
+    table = load_table(dataset, revision, split)
+    if "source" in table.column_names:
+        sources = [s if isinstance(s, str) and s else NO_SOURCE for s in table["source"]]
+    else:
+        sources = [NO_SOURCE] * len(table)
+    picked, sampling = sample_indices(sources, max_samples, seed)
+    rows = table.select(picked)
+    return (
+        [_Candidate(f"row {i + 1}", raw) for i, raw in zip(picked, rows, strict=True)],
+        [],
+        sampling,
+    )
+
+
 def content_id(conversations: list[dict[str, Any]]) -> str:
     blob = json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode()
     return "sha-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
-def normalise_row(index: int, row: dict[str, Any]) -> PromptRow:
-    where = f"row {index}" + (f" (id {row['id']})" if row.get("id") else "")
+def normalise_row(where: str, row: dict[str, Any]) -> PromptRow:
+    label = where + (f" (id {row['id']})" if row.get("id") else "")
     turns = row.get("conversations")
     if not isinstance(turns, list) or not turns:
-        raise PromptDataError(f"{where}: 'conversations' must be a non-empty list")
+        raise PromptDataError(f"{label}: 'conversations' must be a non-empty list")
     messages = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise PromptDataError(f"{where}: turn {t} is not a {{from, value}} object")
+            raise PromptDataError(f"{label}: turn {t} is not a {{from, value}} object")
         role = ROLE_OF.get(turn.get("from"))
         if role is None:
             raise PromptDataError(
-                f"{where}: turn {t} has unknown role {turn.get('from')!r}; "
+                f"{label}: turn {t} has unknown role {turn.get('from')!r}; "
                 f"allowed: {', '.join(sorted(ROLE_OF))}"
             )
         value = turn.get("value")
         if not isinstance(value, str) or not value.strip():
-            raise PromptDataError(f"{where}: turn {t} has an empty or non-string 'value'")
+            raise PromptDataError(f"{label}: turn {t} has an empty or non-string 'value'")
         messages.append({"role": role, "content": value})
     if not any(m["role"] == "user" for m in messages):
-        raise PromptDataError(f"{where}: no human turn to answer")
+        raise PromptDataError(f"{label}: no human turn to answer")
     source = row.get("source")
     if not isinstance(source, str) or not source:
-        raise PromptDataError(f"{where}: 'source' must name the upstream data source")
+        raise PromptDataError(f"{label}: 'source' must name the upstream data source")
     row_id = row.get("id") or content_id(turns)
-    return PromptRow(id=str(row_id), source=source, messages=tuple(messages))
+    return PromptRow(id=str(row_id), source=source, messages=tuple(messages), where=where)
 
 
-def load_prompts(
+def load_prompt_set(
     dataset: str,
     revision: str | None,
     split: str,
     max_samples: int | None,
-    rejected: dict[str, str] | None = None,
-) -> list[PromptRow]:
-    """Load, validate and normalise a prompt set.
-
-    A malformed row or a duplicate id is an error, unless ``rejected`` is given: then such rows
-    are left out and recorded there (``"row <i>"`` -> reason), for the caller to count.
-    """
-    table = load_rows(dataset, revision, split)
-    if max_samples is not None:
-        table = table.select(range(min(max_samples, len(table))))
+    *,
+    seed: int = 0,
+    on_malformed: Literal["error", "skip"] = "error",
+) -> PromptSet:
+    """Load, sample, validate and normalise a prompt set; see the module's invariants."""
+    drawn, rejected, sampling = candidates(dataset, revision, split, max_samples, seed)
     rows: list[PromptRow] = []
     seen: set[str] = set()
-    for i, raw in enumerate(table):
-        try:
-            row = normalise_row(i, raw)
-            if row.id in seen:
-                raise PromptDataError(f"row {i}: duplicate prompt id {row.id!r} in {dataset}")
-        except PromptDataError as err:
-            if rejected is None:
-                raise PromptDataError(
-                    f"{err}; fix the row, or set data.on_malformed_row=skip to leave such rows "
-                    "out and count them"
-                ) from None
-            rejected[f"row {i}"] = str(err)
-            continue
-        seen.add(row.id)
-        rows.append(row)
-    return rows
+    for c in drawn:
+        problem = c.problem
+        if problem is None:
+            assert c.data is not None
+            try:
+                row = normalise_row(c.where, c.data)
+            except PromptDataError as err:
+                problem = RejectedRow(c.where, "malformed_row", str(err), source=c.source)
+            else:
+                if row.id not in seen:
+                    seen.add(row.id)
+                    rows.append(row)
+                    continue
+                problem = RejectedRow(
+                    c.where, "duplicate_id", f"duplicate prompt id {row.id!r}", row.id, row.source
+                )
+        if on_malformed == "error":
+            detail = (
+                problem.detail
+                if problem.detail.startswith(c.where)
+                else (f"{c.where}: {problem.detail}")
+            )
+            raise PromptDataError(f"{detail}; fix the line, or {SKIP_HINT}")
+        rejected.append(problem)
+    return PromptSet(rows, rejected, sampling)
+
+
+def load_prompts(
+    dataset: str, revision: str | None, split: str, max_samples: int | None, *, seed: int = 0
+) -> list[PromptRow]:
+    """The rows of a prompt set that must be clean: a malformed row is an error."""
+    return load_prompt_set(dataset, revision, split, max_samples, seed=seed).rows
 
 
 def data_revision(dataset: str, revision: str | None) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from huggingface_hub import constants as hub_constants
 from pipeline.atomic_files import atomic_write_bytes
 from pipeline.build_verifier import looks_like_path
 from pipeline.config import ContainerConfig, Profile
+from pipeline.server_guard import owner_alive, owner_id
 from pipeline.vllm_server import VLLM_API_MODULE, ServerError, vllm_env, wait_until_healthy
 
 log = logging.getLogger(__name__)
@@ -62,34 +62,11 @@ def engine() -> docker.DockerClient:
         ) from None
 
 
-def _process_start_ticks(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5), after "pid (comm)"
-
-
-def owner_id(pid: int | None = None) -> str:
-    """This process, unambiguously: a recycled pid in a fresh container has another start time."""
-    pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{_process_start_ticks(pid)}"
-
-
-def _owner_alive(owner: str) -> bool:
-    host, _, rest = owner.partition(":")
-    pid, _, ticks = rest.partition(":")
-    if host != socket.gethostname() or not pid.isdigit():
-        return True  # another machine's process: not ours to judge
-    return _process_start_ticks(int(pid)) == ticks
-
-
 def remove_orphans(client: docker.DockerClient, run_name: str) -> list[str]:
     """Remove this run's server containers whose owner process is gone; their names."""
     removed = []
     for c in client.containers.list(all=True, filters={"label": f"{LABEL_RUN}={run_name}"}):
-        if _owner_alive(c.labels.get(LABEL_OWNER, "")):
+        if owner_alive(c.labels.get(LABEL_OWNER, "")):
             continue
         log.warning("removing server container %s left behind by a killed run", c.name)
         with contextlib.suppress(docker.errors.NotFound):

@@ -43,6 +43,7 @@ from pipeline.manifest import (
     all_succeeded,
     drafter_digest,
     now,
+    portable_drafter,
     read_manifest,
     stage_dir,
     write_manifest,
@@ -227,6 +228,7 @@ def run(profile: Profile) -> dict[str, Any]:
         # Tokens the extraction server ran for training: the measured cost of online mode.
         generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
     drafter, config = checked_drafter(profile, save)
+    portable_drafter(profile, drafter)  # published as evaluated: no path of this machine
     state_path, metrics_path = drafter / "training_state.json", drafter / "val_metrics.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     outputs = {

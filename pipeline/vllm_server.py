@@ -5,6 +5,10 @@ Invariants:
   traffic (its message queue and RPC) is pinned to 127.0.0.1 as well;
 - the server runs in its own process group and is stopped (SIGTERM, then SIGKILL) when the
   ``with`` block ends, on success, on error and on Ctrl-C;
+- it dies with the stage too: the group's leader is a guard (:mod:`pipeline.server_guard`) that
+  stops it once the stage is gone, even by SIGKILL; each group is recorded with its owner in
+  ``<run>/servers/<pgid>.json``, and a group whose owner is gone (the guard killed as well) is
+  reaped, with a warning, before the next server of the run starts;
 - while it loads, the caller waits with progress up to ``server.startup_timeout_s``; a server
   that exits or never becomes healthy raises :class:`ServerError` with the tail of its log.
 
@@ -31,15 +35,25 @@ from typing import Any
 
 import httpx
 
+from pipeline.atomic_files import atomic_write_bytes
 from pipeline.config import Profile
 from pipeline.errors import PipelineError
 from pipeline.logged_process import log_tail
 from pipeline.manifest import REPO_ROOT
 from pipeline.progress import progress
+from pipeline.server_guard import (
+    GRACE_S,
+    guarded,
+    owner_alive,
+    owner_id,
+    process_start,
+    stop_group,
+)
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 VLLM_API_MODULE = "vllm.entrypoints.openai.api_server"
+SERVERS = "servers"  # <run>/servers/<pgid>.json: the process groups of this run's servers
 
 
 class ServerError(PipelineError):
@@ -52,7 +66,7 @@ class Endpoint:
     model: str  # the served model name the API expects
     started_here: bool
     log_path: Path | None = None
-    pid: int | None = None  # the server's process (and process group) when started here
+    pid: int | None = None  # the server's guard and process group when started here
     container: str | None = None  # the server's container when server.runtime=docker
 
     @property
@@ -181,17 +195,69 @@ def process_exit(proc: subprocess.Popen, what: str = "vLLM") -> Callable[[], str
     return lambda: None if proc.poll() is None else f"{what} exited with status {proc.returncode}"
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+def _stop_group_of(pgid: int, start: str | None, grace_s: float = GRACE_S) -> int:
+    """Stop what is left of the group whose leader was ``pgid`` started at ``start``; how many.
+
+    A live leader with another start time is a recycled pid: nothing is stopped. A dead leader's
+    group id stays reserved while any member lives, so its members are the server's.
+    """
+    now = process_start(pgid)
+    return stop_group(pgid, grace_s) if now is None or now == start else 0
+
+
+def _stop(proc: subprocess.Popen, start: str | None, grace_s: float = GRACE_S) -> None:
+    """SIGTERM to the group; the guard waits for the server and sweeps the rest of the group.
+    Whatever is left once the guard is gone (it was killed) is stopped here."""
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=grace_s)
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=3 * grace_s + 10)  # the guard's own grace periods, and a margin
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    _stop_group_of(proc.pid, start, grace_s)
+
+
+def _record(folder: Path, pgid: int, start: str | None, cmd: list[str], log_path: Path) -> Path:
+    record = folder / f"{pgid}.json"
+    body = {
+        "pgid": pgid,
+        "start": start,
+        "owner": owner_id(),
+        "command": cmd,
+        "log": str(log_path),
+    }
+    atomic_write_bytes(record, json.dumps(body, indent=1).encode())
+    return record
+
+
+def reap_orphans(folder: Path, grace_s: float = GRACE_S) -> list[int]:
+    """Stop the recorded server groups in ``folder`` whose owner is gone; their group ids.
+
+    A record whose leader pid now names another process (recycled) is only dropped.
+    """
+    reaped = []
+    for record in sorted(folder.glob("*.json")):
+        try:
+            body = json.loads(record.read_text())
+            pgid, start, owner = int(body["pgid"]), body["start"], str(body["owner"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("removing unreadable server record %s", record)
+            record.unlink(missing_ok=True)
+            continue
+        if owner_alive(owner):
+            continue
+        if _stop_group_of(pgid, start, grace_s):
+            log.warning(
+                "stopped vLLM server group %d left behind by a killed stage (log %s)",
+                pgid,
+                body.get("log"),
+            )
+            reaped.append(pgid)
+        record.unlink(missing_ok=True)
+    return reaped
 
 
 def attach(url: str, timeout_s: float) -> Endpoint:
@@ -236,17 +302,23 @@ def vllm_server(
     cmd = server_command(
         profile, model, port, served_model_name=served_model_name, **command_kwargs
     )
+    servers = profile.run.run_dir / SERVERS
+    servers.mkdir(parents=True, exist_ok=True)
+    reap_orphans(servers)
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
-            cmd,
+            guarded(cmd),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=server_env(profile),
             start_new_session=True,
         )
+    start = process_start(proc.pid)
+    record = None
     try:
+        record = _record(servers, proc.pid, start, cmd, log_path)
         wait_until_healthy(
             base,
             profile.server.startup_timeout_s,
@@ -261,4 +333,6 @@ def vllm_server(
             pid=proc.pid,
         )
     finally:
-        _stop(proc)
+        _stop(proc, start)
+        if record is not None:
+            record.unlink(missing_ok=True)

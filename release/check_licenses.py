@@ -334,6 +334,8 @@ def check_licenses(profile: Profile) -> dict[str, Any]:
         },
         "verifier": verifier_report,
         "drafter_license": drafter,
+        # How generate chose its prompts (data.max_samples, data.sample_seed), per source.
+        "sampling": generate["outputs"].get("sampling"),
     }
 
 
@@ -366,12 +368,33 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"| {s.get('spdx') or s.get('license') or 'none'} | {s['rows']} | {s['skipped_rows']} "
             f"| {tokens} | {'yes' if s['ok'] else 'no'} |"
         )
+    lines += sampling_markdown(report.get("sampling"))
     if report["drafter_license"]:
         d = report["drafter_license"]
         lines += ["", f"Drafter license (derived from the verifier): `{d['spdx']}`"]
     if report["failures"]:
         lines += ["", "Failures:", *[f"- {f}" for f in report["failures"]]]
     return "\n".join(lines) + "\n"
+
+
+def sampling_markdown(sampling: dict[str, Any] | None) -> list[str]:
+    """How the prompts were drawn from each source: the lines that show a skewed sample."""
+    if not sampling:
+        return []
+    by_source = sampling["by_source"]
+    drawn = sum(c["sampled"] for c in by_source.values())
+    available = sum(c["available"] for c in by_source.values())
+    how = {
+        "all": "every row",
+        "stratified": f"a random sample stratified by source, seed {sampling['seed']}",
+        "random": f"a random sample, seed {sampling['seed']}",
+    }[sampling["method"]]
+    lines = ["", f"Prompts: {drawn} of {available} rows, {how}.", ""]
+    lines += ["| source | sampled | available | share |", "|---|---|---|---|"]
+    for source, c in by_source.items():
+        share = c["available"] / available if available else 0
+        lines.append(f"| {source} | {c['sampled']} | {c['available']} | {share:.1%} |")
+    return lines
 
 
 def read_passed_check(profile: Profile) -> dict[str, Any]:

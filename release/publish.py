@@ -19,6 +19,14 @@ Invariants:
   (a second identical publish commits nothing), names the git SHA in the commit message, removes
   remote files the release no longer has, then lists the remote files and checks every one
   against the local sha256 / git blob id;
+- the push is one commit on top of the remote head it compared against (``parent_commit``): if
+  anyone committed since, the Hub refuses it and nothing of theirs is overwritten or deleted;
+- files go up through git-LFS, not Xet: huggingface_hub's Xet path splits a large folder into
+  several commits, and the LFS path is the one the tests run against the local Hub;
+- the release names no path of the machine that built it: JSON files (manifests, eval results,
+  the license report) go through pipeline.manifest.portable, and a release in which any file
+  still holds the run folder, the checkout, the virtual environment or the home folder is
+  refused, naming the file;
 - the release folder is rebuilt beside the old one and swapped in, never left half-written.
 """
 
@@ -26,12 +34,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import HfApi, get_token, hf_hub_download
+from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError
 
 from model_card.render import drafter_repo_id
@@ -43,8 +55,11 @@ from pipeline.manifest import (
     STAGES,
     StageInputError,
     all_succeeded,
+    atomic_write_json,
     drafter_digest,
     now,
+    portable,
+    portable_text,
     read_manifest,
     sha256_file,
     stage_dir,
@@ -57,6 +72,8 @@ RELEASE = "release"
 SHIPPED_MANIFESTS = tuple(s for s in STAGES if s != "publish")
 # Files a Hub repository starts with that the release does not own.
 HUB_OWNED = {".gitattributes"}
+# The stage that wrote each released file: what to rerun when one names a machine path.
+WRITTEN_BY = {"README.md": "card", "config.json": "train", "model.safetensors": "train"}
 
 
 class PublishError(PipelineError):
@@ -154,15 +171,21 @@ def assemble(profile: Profile, inputs: dict[str, Any]) -> Path:
         shutil.copy2(card_dir / plot, building / plot)
     (building / "LICENSE").write_bytes(license_text(profile, inputs["licenses"]))
     (building / "eval").mkdir()
-    for name in ("results.json", "results.md"):
-        shutil.copy2(stage_dir(profile, "eval") / name, building / "eval" / name)
+    shutil.copy2(stage_dir(profile, "eval") / "results.md", building / "eval/results.md")
     (building / "manifests").mkdir()
-    shutil.copy2(stage_dir(profile, "licenses") / "report.json", building / "data_licenses.json")
+    records = {
+        "eval/results.json": stage_dir(profile, "eval") / "results.json",
+        "data_licenses.json": stage_dir(profile, "licenses") / "report.json",
+    }
     for stage in SHIPPED_MANIFESTS:
+        records[f"manifests/{stage}.json"] = stage_dir(profile, stage) / "manifest.json"
+    for name, source in records.items():
         with contextlib.suppress(FileNotFoundError):  # a stage a profile did not run
-            shutil.copy2(
-                stage_dir(profile, stage) / "manifest.json", building / f"manifests/{stage}.json"
-            )
+            # As written, not as read_manifest resolves it; runs from before manifests were
+            # portable get their paths made relative here.
+            record = portable(profile, json.loads(source.read_text()))
+            atomic_write_json(building / name, record)
+    check_no_machine_paths(profile, building)
     if release.exists():
         retired = folder / f"{RELEASE}.old"
         shutil.rmtree(retired, ignore_errors=True)
@@ -172,6 +195,30 @@ def assemble(profile: Profile, inputs: dict[str, Any]) -> Path:
     else:
         building.rename(release)
     return release
+
+
+def published_text(path: Path) -> str:
+    """What a released file says in text: a safetensors file's JSON header, else its bytes
+    (latin-1, so that paths inside a binary file show too)."""
+    if path.suffix == ".safetensors":
+        with path.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            return fh.read(size).decode("utf-8", errors="replace")
+    return path.read_bytes().decode("latin-1")
+
+
+def check_no_machine_paths(profile: Profile, folder: Path) -> None:
+    """Refuse a release in which a file names the run folder, checkout, venv or home folder."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        text = published_text(path)
+        if portable_text(profile, text) != text:
+            name = path.relative_to(folder).as_posix()
+            stage = WRITTEN_BY.get(name, name.split("/")[0])
+            raise PublishError(
+                f"{name} names a path of this machine (the run folder, checkout, virtual "
+                f"environment or home folder): a release carries paths relative to the run "
+                f"folder; rerun `make {stage}` with this version of the pipeline"
+            )
 
 
 def local_files(release: Path) -> dict[str, dict[str, Any]]:
@@ -219,6 +266,37 @@ def token_source() -> str | None:
     return "environment" if os.environ.get("HF_TOKEN") else "HF cache"
 
 
+@contextlib.contextmanager
+def lfs_uploads() -> Iterator[None]:
+    """Upload through git-LFS in one commit rather than Xet (huggingface_hub reads the switch
+    behind HF_HUB_DISABLE_XET at call time)."""
+    saved = hub_constants.HF_HUB_DISABLE_XET
+    hub_constants.HF_HUB_DISABLE_XET = True
+    try:
+        yield
+    finally:
+        hub_constants.HF_HUB_DISABLE_XET = saved
+
+
+def hub_refusal(repo_id: str, err: Exception) -> PublishError:
+    """One line for what the Hub refused, and the fix."""
+    if not isinstance(err, HfHubHTTPError):  # the card's metadata, checked before any upload
+        problems = "; ".join(line.lstrip("- ") for line in str(err).splitlines()[1:] if line)
+        return PublishError(
+            f"the Hub rejected the model card's metadata (README.md): {problems or err}; fix "
+            "model_card/ (or the card stage's inputs) and rerun `make card`"
+        )
+    status = err.response.status_code if err.response is not None else "no response"
+    if status == 412:
+        return PublishError(
+            f"{repo_id} changed while publishing (someone committed after the remote state this "
+            "release was compared with); nothing was pushed: rerun `make publish PUSH=1`"
+        )
+    hint = " (is the token valid and allowed to write?)" if status in (401, 403) else ""
+    said = f": {' '.join(err.server_message.split())}" if err.server_message else ""
+    return PublishError(f"the Hub refused a request for {repo_id}: {status}{hint}{said}")
+
+
 def push(profile: Profile, release: Path, local: dict[str, Any], git_sha: str) -> dict[str, Any]:
     repo_id, revision = profile.release.repo_id, profile.release.revision
     if repo_id is None:
@@ -232,30 +310,35 @@ def push(profile: Profile, release: Path, local: dict[str, Any], git_sha: str) -
     try:
         user = api.whoami()["name"]
         api.create_repo(repo_id, private=profile.release.private, exist_ok=True)
-        before = remote_files(api, repo_id, revision)
+        parent = api.model_info(repo_id, revision=revision).sha
+        before = remote_files(api, repo_id, parent)
         changed = differing(release, local, before)
         commit = None
         if changed:
-            info = api.upload_folder(
-                repo_id=repo_id,
-                folder_path=release,
-                revision=revision,
-                commit_message=f"Release {profile.run.name} drafter, git {git_sha[:12]}",
-                # The repository mirrors the release: files of an earlier release that this one
-                # no longer has (a renamed plot) are removed in the same commit.
-                delete_patterns="*",
-                commit_description=(
-                    f"Pushed by eagle3-release from git {git_sha}; {len(changed)} changed "
-                    f"file(s): {', '.join(changed[:20])}"
-                ),
-            )
+            with lfs_uploads():
+                info = api.upload_folder(
+                    repo_id=repo_id,
+                    folder_path=release,
+                    revision=revision,
+                    parent_commit=parent,
+                    commit_message=f"Release {profile.run.name} drafter, git {git_sha[:12]}",
+                    # The repository mirrors the release: files of an earlier release that this
+                    # one no longer has (a renamed plot) are removed in the same commit.
+                    delete_patterns="*",
+                    commit_description=(
+                        f"Pushed by eagle3-release from git {git_sha}; {len(changed)} changed "
+                        f"file(s): {', '.join(changed[:20])}"
+                    ),
+                )
             commit = {"oid": info.oid, "url": info.commit_url}
         after = remote_files(api, repo_id, revision)
         head = api.model_info(repo_id, revision=revision).sha
     except HfHubHTTPError as err:
-        status = err.response.status_code if err.response is not None else "no response"
-        hint = " (is the token valid and allowed to write?)" if status in (401, 403) else ""
-        raise PublishError(f"the Hub refused a request for {repo_id}: {status}{hint}") from None
+        raise hub_refusal(repo_id, err) from None
+    except ValueError as err:
+        if "Invalid metadata in README.md" not in str(err):
+            raise
+        raise hub_refusal(repo_id, err) from None
     still = differing(release, local, after)
     if still:
         raise PublishError(f"after the push, the remote copies differ from local: {still}")

@@ -5,8 +5,15 @@ a model repository: whoami, repo creation, card YAML validation, preupload (uplo
 remote oids), git-LFS batch with the "basic" transfer, NDJSON commits, the recursive tree,
 revision info and file resolution. Repositories live in memory as a list of commits, each a
 full snapshot ``{path: bytes}``. Every request is recorded with its headers and body, so a test
-can assert where a token went. Clients must run with ``HF_HUB_DISABLE_XET=1``: there is no Xet
-storage here, and with Xet disabled huggingface_hub uploads large files through git-LFS.
+can assert where a token went.
+
+It refuses what the real Hub refuses on these paths, with the real Hub's status and message:
+card metadata it cannot parse (README.md front matter that is not YAML, not a mapping, or a
+``base_model`` that is a local path rather than a Hub id; 400 from ``/api/validate-yaml`` and
+from a commit), and a commit whose ``parentCommit`` is not the branch head any more (412, "A
+commit has happened since"). ``before_commit`` runs a callable before the next commit is
+handled: another writer committing meanwhile. There is no Xet storage here: a client that
+takes huggingface_hub's Xet upload path gets a 404, so a passing push shows it took git-LFS.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from aiohttp import web
 
 REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
@@ -30,6 +38,30 @@ LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".png")  # like the Hub's default
 GITATTRIBUTES = b"".join(
     f"*{s} filter=lfs diff=lfs merge=lfs -text\n".encode() for s in LFS_SUFFIXES
 )
+# huggingface_hub's own pattern for a card's YAML front matter (repocard.REGEX_YAML_BLOCK).
+FRONT_MATTER = re.compile(r"^(\s*---(?:\r\n|\r|\n))([\S\s]*?)((?:\r\n|\r|\n)---[ \t]*(\r\n|\n|$))")
+STALE_PARENT = "A commit has happened since. Please refresh and try again."
+
+
+def card_metadata_errors(card: str) -> list[str]:
+    """What the Hub's metadata validation says about a README.md; [] when it accepts it."""
+    match = FRONT_MATTER.search(card)
+    if match is None:
+        return []
+    try:
+        metadata = yaml.safe_load(match.group(2))
+    except yaml.YAMLError as err:
+        return [f"Invalid YAML in README.md metadata: {' '.join(str(err).split())}"]
+    if metadata is None:
+        return []
+    if not isinstance(metadata, dict):
+        return ["README.md metadata must be a YAML mapping"]
+    errors = []
+    base = metadata.get("base_model")
+    for name in base if isinstance(base, list) else [base] if base else []:
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)):
+            errors.append(f'"base_model" with value "{name}" is not valid: use a model id')
+    return errors
 
 
 def git_blob_id(data: bytes) -> str:
@@ -68,6 +100,7 @@ class LocalHub:
         self.requests: list[dict[str, Any]] = []
         self.lfs_objects: dict[str, bytes] = {}  # sha256 -> content
         self.upload_tickets: dict[str, tuple[str, int]] = {}
+        self.before_commit: list = []  # callables(repo), each run once before a commit
         self.endpoint = ""
 
     # ---- serving
@@ -127,7 +160,7 @@ class LocalHub:
                 try:
                     return await handler(request, body, **match.groupdict())
                 except HubError as err:
-                    headers = {"X-Error-Message": str(err)}
+                    headers = {"X-Error-Message": " ".join(str(err).split())}
                     if err.code:
                         headers["X-Error-Code"] = err.code
                     return web.json_response(
@@ -178,7 +211,11 @@ class LocalHub:
         return web.json_response({"standardEnvVars": [], "harnesses": {}})
 
     async def validate_yaml(self, request, body):
-        return web.json_response({"errors": [], "warnings": []})
+        errors = card_metadata_errors(json.loads(body)["content"])
+        return web.json_response(
+            {"errors": [{"message": e} for e in errors], "warnings": []},
+            status=400 if errors else 200,
+        )
 
     async def create_repo(self, request, body):
         user = self.user(request)
@@ -246,7 +283,11 @@ class LocalHub:
         target = self.repo(request, repo, write=True)
         lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
         header, operations = lines[0]["value"], lines[1:]
+        while self.before_commit:
+            self.before_commit.pop(0)(target)
         parent = self.revision(target, rev)
+        if header.get("parentCommit") not in (None, parent.oid):
+            raise HubError(412, STALE_PARENT)
         files, lfs = dict(parent.files), set(parent.lfs)
         for op in operations:
             value = op["value"]
@@ -263,6 +304,9 @@ class LocalHub:
                 files.pop(path, None)
             else:
                 raise HubError(400, f"operation {op['key']} is not supported here")
+        errors = card_metadata_errors(files.get("README.md", b"").decode(errors="replace"))
+        if errors:
+            raise HubError(400, "Invalid metadata in README.md.\n" + "\n".join(errors))
         commit = self.new_commit(
             target, header["summary"], header.get("description", ""), files, lfs
         )

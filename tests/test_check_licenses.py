@@ -13,7 +13,7 @@ import yaml
 
 from pipeline.config import load_profile
 from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
-from pipeline.prompts import data_revision
+from pipeline.prompts import data_revision, load_prompt_set
 from release.check_licenses import LicenseCheckError, check_licenses, run
 
 pytestmark = pytest.mark.unit
@@ -31,7 +31,13 @@ PERFECTBLEND_SOURCES = [
 ]
 
 
-def generated(profile, sources: list[str], revision: dict | None = None, skipped: int = 0) -> None:
+def generated(
+    profile,
+    sources: list[str],
+    revision: dict | None = None,
+    skipped: int = 0,
+    sampling: dict | None = None,
+) -> None:
     """A finished generate stage whose records carry ``sources`` (one record each)."""
     folder = stage_dir(profile, "generate")
     folder.mkdir(parents=True, exist_ok=True)
@@ -50,7 +56,7 @@ def generated(profile, sources: list[str], revision: dict | None = None, skipped
         "generate",
         started_at=now(),
         counts={"input": len(sources)},
-        outputs={"responses": "responses.jsonl"},
+        outputs={"responses": "responses.jsonl", "sampling": sampling},
         data_revision=revision or data_revision(profile.data.dataset, profile.data.revision),
     )
 
@@ -93,6 +99,20 @@ def test_the_shipped_prompt_set_passes_with_counts_per_source(tmp_path):
     assert report["dataset"]["revision"].startswith("sha256:")
     assert manifest["outputs"]["drafter_license"]["spdx"] == "Apache-2.0"  # the verifier's
     assert "passed" in (stage_dir(profile, "licenses") / "report.md").read_text()
+
+
+def test_the_report_shows_how_the_prompts_were_sampled_from_each_source(tmp_path):
+    profile = tiny(tmp_path, "data.max_samples=16", "data.sample_seed=3")
+    d = profile.data
+    sample = load_prompt_set(d.dataset, None, "train", d.max_samples, seed=d.sample_seed)
+    generated(profile, [r.source for r in sample.rows], sampling=sample.sampling.record())
+    run(profile)
+    report = json.loads((stage_dir(profile, "licenses") / "report.json").read_text())
+    assert report["sampling"]["seed"] == 3 and report["sampling"]["method"] == "stratified"
+    assert report["sampling"]["by_source"]["tiny-blend/math"] == {"available": 40, "sampled": 2}
+    text = (stage_dir(profile, "licenses") / "report.md").read_text()
+    assert "Prompts: 16 of 320 rows, a random sample stratified by source, seed 3." in text
+    assert "| tiny-blend/math | 2 | 40 | 12.5% |" in text
 
 
 def test_a_source_missing_from_the_manifest_fails_and_keeps_its_report(tmp_path):

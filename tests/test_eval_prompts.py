@@ -1,4 +1,5 @@
-"""Evaluation prompts: the shipped set, Spec-Bench / MT-bench question files, held-out checks."""
+"""Evaluation prompts: the shipped set, Spec-Bench / MT-bench question files, held-out checks,
+and the prompts too long for the server's context, counted with a real tokenizer and template."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from eval.eval_prompts import (
     EvalPromptError,
     check_held_out,
+    fit_to_context,
     load_eval_prompts,
+    prompt_token_counts,
     read_question_file,
 )
 from pipeline.config import ConfigError, load_profile
@@ -93,3 +96,102 @@ def test_eval_sweeps_are_validated():
         load_profile(TINY, ["eval.concurrency=[4, 8]"])
     with pytest.raises(ConfigError, match="methods"):
         load_profile(TINY, ["eval.methods=[medusa]"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny verifier's tokenizer and chat template, trained as `make verifier` does (~2 s),
+    with one template variable (``thinking``) to show chat_template_kwargs reach the count."""
+    from pipeline.build_verifier import CHAT_TEMPLATE, _train_tokenizer
+
+    profile = load_profile(TINY)
+    lines = Path(profile.verifier.build.corpus).read_text().splitlines()
+    texts = [t["value"] for line in lines for t in json.loads(line)["conversations"]]
+    tokenizer = _train_tokenizer(texts, profile.verifier.build)
+    tokenizer.chat_template = CHAT_TEMPLATE + "{% if thinking %}{{ '<think>\\n' }}{% endif %}"
+    out = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def long_questions(tmp_path: Path) -> Path:
+    """Spec-Bench's shape: short questions, and long rag and summarization ones."""
+    sentence = "The harbour town keeps its boats in a sheltered bay. "
+    rows = [
+        *map(json.loads, QUESTIONS.read_text().splitlines()),
+        {"question_id": 301, "category": "rag", "turns": [sentence * 20 + "Where are the boats?"]},
+        {"question_id": 401, "category": "summarization", "turns": ["Summarise: " + sentence * 40]},
+        {"question_id": 402, "category": "summarization", "turns": ["In short: " + sentence * 80]},
+    ]
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def context(max_model_len: int, max_tokens: int):
+    return load_profile(TINY, [f"server.max_model_len={max_model_len}", "extract.max_seq_len=64",
+                               f"eval.max_tokens={max_tokens}"])  # fmt: skip
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_named(tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    questions = long_questions(tmp_path)
+    profile = load_profile(TINY, [f"eval.question_file={questions}", "eval.max_tokens=96"])
+    prompts = load_eval_prompts(profile)
+    counts = prompt_token_counts(prompts, str(tokenizer_dir), profile)
+    # The count is the template's render with a generation prompt, as vLLM's chat endpoint
+    # tokenises it (checked against vLLM's own usage.prompt_tokens in the e2e tests).
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for p in prompts:
+        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+        assert text.endswith("<|assistant|>\n")
+        assert counts[p.id] == len(
+            tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+        )
+    assert counts["301"] < counts["401"] < counts["402"]
+    # A prompt exactly at max_model_len - max_tokens fits; one token more does not.
+    at_limit = context(counts["301"] + 96, max_tokens=96)
+    kept, skipped = fit_to_context(prompts, counts, at_limit)
+    assert [p.id for p in kept] == ["81", "101", "111", "201", "301"]
+    assert skipped == {
+        "reason": "prompt_too_long",
+        "max_prompt_tokens": counts["301"],
+        "count": 2,
+        "per_category": {"summarization": 2},
+        "prompts": [
+            {"id": "401", "category": "summarization", "prompt_tokens": counts["401"]},
+            {"id": "402", "category": "summarization", "prompt_tokens": counts["402"]},
+        ],
+    }
+    one_less = context(counts["301"] + 95, max_tokens=96)
+    _, skipped = fit_to_context(prompts, counts, one_less)
+    assert skipped["per_category"] == {"rag": 1, "summarization": 2}
+
+
+def test_no_prompt_that_fits_is_an_error_naming_the_fix(tmp_path, tokenizer_dir):
+    profile = context(64, max_tokens=48)
+    prompts = load_eval_prompts(profile)
+    counts = prompt_token_counts(prompts, str(tokenizer_dir), profile)
+    with pytest.raises(EvalPromptError, match="none of the 64 evaluation prompts fits") as info:
+        fit_to_context(prompts, counts, profile)
+    assert "at most 16 prompt tokens" in str(info.value)
+    assert "raise server.max_model_len, lower eval.max_tokens" in str(info.value)
+
+
+def test_the_count_renders_the_template_with_chat_template_kwargs(tokenizer_dir):
+    plain = load_profile(TINY, [f"eval.question_file={QUESTIONS}"])
+    thinking = load_profile(
+        TINY, [f"eval.question_file={QUESTIONS}", "generate.chat_template_kwargs={thinking: true}"]
+    )
+    prompts = load_eval_prompts(plain)
+    without = prompt_token_counts(prompts, str(tokenizer_dir), plain)
+    with_ = prompt_token_counts(prompts, str(tokenizer_dir), thinking)
+    assert {pid: with_[pid] - n for pid, n in without.items()} == dict.fromkeys(without, 2)
+
+
+def test_a_missing_tokenizer_is_named(tmp_path):
+    profile = load_profile(TINY, [f"eval.question_file={QUESTIONS}"])
+    with pytest.raises(EvalPromptError, match="cannot load the verifier's tokenizer from"):
+        prompt_token_counts(load_eval_prompts(profile), str(tmp_path / "nothing"), profile)

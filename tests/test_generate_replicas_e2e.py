@@ -7,7 +7,6 @@ covered in the default run by tests/test_generate_replicas.py.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from pipeline.build_verifier import resolved_verifier
 from pipeline.config import load_profile
 from pipeline.manifest import read_manifest
 from pipeline.vllm_server import vllm_server
-from tests.helpers import run_stage
+from tests.helpers import run_stage, seed_run_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).parent.parent
@@ -26,8 +25,7 @@ SAMPLES = 32
 def test_two_replicas_share_the_prompts_and_each_is_done_once(tiny_run, tmp_path):
     base = [f"run.output_dir={tmp_path}", f"data.max_samples={SAMPLES}", "generate.concurrency=4"]
     profile = load_profile(REPO / "configs/tiny.yaml", base)
-    (profile.run.run_dir / "verifier").mkdir(parents=True)
-    shutil.copy(tiny_run.run.run_dir / "verifier/manifest.json", profile.run.run_dir / "verifier")
+    seed_run_dir(tiny_run, profile, ("verifier",))
     model = resolved_verifier(profile)["model"]
     with (
         vllm_server(profile, model, tmp_path / "a.log", use_base_url=False) as a,

@@ -1,15 +1,18 @@
 """Generation is exactly-once by prompt id across a SIGKILL of the real vLLM server.
 
 The rerun is started before its new server, so it also shows that a server still loading is
-waited for (up to ``server.startup_timeout_s``) rather than counted as failures.
+waited for (up to ``server.startup_timeout_s``) rather than counted as failures: the new server is
+started once the rerun says it is waiting, on a port outside the kernel's ephemeral range, which
+no other process is handed meanwhile (as it could be a port that ``free_port`` gave back).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +23,8 @@ import pytest
 from pipeline.build_verifier import resolved_verifier
 from pipeline.config import load_profile
 from pipeline.prompts import load_prompts
-from pipeline.vllm_server import LOOPBACK, free_port, vllm_server
+from pipeline.vllm_server import LOOPBACK, vllm_server
+from tests.helpers import seed_run_dir
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
@@ -29,6 +33,29 @@ SAMPLES = 120
 
 def ids_in(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def unassigned_port() -> int:
+    """A free port below the ephemeral range: the kernel hands it to no socket by itself."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(10000, low), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in 10000-{low}")
+
+
+def wait_for_line(proc: subprocess.Popen, text: str) -> list[str]:
+    """``proc``'s stderr lines up to the first that contains ``text``."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"exited ({proc.wait()}) before saying {text!r}:\n{''.join(lines)}")
 
 
 def generate(overrides: list[str], base_url: str) -> subprocess.Popen:
@@ -53,10 +80,7 @@ def test_generation_resumes_exactly_once_after_the_server_is_killed(tiny_run, tm
     ]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     # The verifier built by the session's pipeline run, declared finished in this run folder.
-    (profile.run.run_dir / "verifier").mkdir(parents=True)
-    shutil.copy(
-        tiny_run.run.run_dir / "verifier" / "manifest.json", profile.run.run_dir / "verifier"
-    )
+    seed_run_dir(tiny_run, profile, ("verifier",))
     model = resolved_verifier(profile)["model"]
     responses = profile.run.run_dir / "generate" / "responses.jsonl"
 
@@ -75,15 +99,13 @@ def test_generation_resumes_exactly_once_after_the_server_is_killed(tiny_run, tm
     assert 20 <= len(first) < SAMPLES and len(set(first)) == len(first)
 
     # The rerun starts before its server does: it must wait for the loading server, not fail.
-    port = free_port(LOOPBACK)
+    port = unassigned_port()
     proc = generate(overrides, f"http://{LOOPBACK}:{port}")
-    time.sleep(5)
-    assert proc.poll() is None, proc.communicate()
+    waited = wait_for_line(proc, f"for vLLM at http://{LOOPBACK}:{port} to load")
     restarted = load_profile(REPO / "configs" / "tiny.yaml", [*overrides, f"server.port={port}"])
     with vllm_server(restarted, model, tmp_path / "second.log", use_base_url=False):
         _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr
-    assert f"for vLLM at http://{LOOPBACK}:{port} to load" in stderr
+    assert proc.returncode == 0, "".join(waited) + stderr
     final = ids_in(responses)
     expected = {r.id for r in load_prompts("data/prompts/tiny-blend.jsonl", None, "train", SAMPLES)}
     assert len(final) == len(set(final)) == SAMPLES and set(final) == expected

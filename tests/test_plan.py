@@ -1,6 +1,8 @@
-"""The planner reproduces the team's hero-run figures from their inputs, and refuses a run that
-cannot fit with remedies that do."""
+"""The planner reproduces the team's hero-run figures from their inputs, refuses a run that
+cannot fit with remedies that do, and, after a finished run, plans per prompt read (the tiny
+run's own check is in tests/test_plan_e2e.py)."""
 
+import datetime as dt
 import subprocess
 import sys
 
@@ -8,10 +10,12 @@ import pytest
 
 from pipeline.config import load_profile
 from pipeline.extract import bytes_per_token
+from pipeline.manifest import stage_dir, write_manifest
 from pipeline.plan import TB, build_plan
 
 pytestmark = pytest.mark.unit
 KIMI = "configs/kimi-k2.5.yaml"
+TINY = "configs/tiny.yaml"
 ON_3TB = ["plan.target_volume_free_tb=3"]
 
 
@@ -75,3 +79,77 @@ def test_check_refuses_to_start_and_prints_the_table():
 
 def test_tiny_profile_fits_here():
     assert build_plan(load_profile("configs/tiny.yaml"))["fits"]
+
+
+def finished_stage(profile, stage, wall_time_s, counts, outputs):
+    stage_dir(profile, stage).mkdir(parents=True)
+    started = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=wall_time_s)
+    write_manifest(profile, stage, started_at=started, counts=counts, outputs=outputs)
+
+
+def test_measured_figures_are_per_prompt_read_across_skips_and_multi_turn_rows(tmp_path):
+    """320 prompts read, 20 skipped, the 300 kept split into 360 rows (multi-turn): the plan for
+    the same 320 prompts is exactly what the run wrote (hidden states, and its generate and
+    extract times), and for half as many, half of it."""
+    profile = load_profile(TINY, [f"run.output_dir={tmp_path}"])
+    tokens, completion = 40_000, 27_000
+    finished_stage(
+        profile,
+        "generate",
+        60,
+        # Two empty lines are counted as input but are no prompt: the sampling record says
+        # what data.max_samples drew.
+        {"input": 322, "succeeded": 300, "skipped": 22, "failed": 0,
+         "skip_reasons": {"empty_line": 2, "truncated_response": 20},
+         "completion_tokens": completion},
+        {"responses": "responses.jsonl", "replicas": [{"finished": 320, "failed": 0}],
+         "sampling": {"method": "all", "by_source": {"a": {"available": 200, "sampled": 200},
+                                                     "b": {"available": 120, "sampled": 120}}}},
+    )  # fmt: skip
+    finished_stage(
+        profile,
+        "extract",
+        90,
+        {"input": 370, "succeeded": 360, "skipped": 10, "failed": 0, "conversations": 300},
+        {"rows": 360, "tokens": tokens, "hidden_state_bytes": tokens * bytes_per_token(profile)},
+    )
+    plan = build_plan(profile)
+    assert plan["samples"] == 320  # the rows of the shipped prompt set
+    assert plan["total_tokens"] == pytest.approx(tokens)
+    assert plan["hidden_state_bytes"] == pytest.approx(tokens * bytes_per_token(profile))
+    assert "measured (extract" in plan["tokens_per_sample"].source
+    local = plan["machines"][0]["hours"]
+    assert local["inference"] * 3600 == pytest.approx(60, rel=0.01)
+    assert local["extraction"] * 3600 == pytest.approx(90, rel=0.01)
+
+    half = build_plan(load_profile(TINY, [f"run.output_dir={tmp_path}", "data.max_samples=160"]))
+    assert half["samples"] == 160
+    assert half["hidden_state_bytes"] == pytest.approx(plan["hidden_state_bytes"] / 2)
+    # data.max_samples above the set's size reads the whole set: 320 prompts, not 1000.
+    capped = load_profile(TINY, [f"run.output_dir={tmp_path}", "data.max_samples=1000"])
+    assert build_plan(capped)["samples"] == 320
+
+    # On a volume too small for it, each remedy's switch, applied, fits: extract.max_seq_len
+    # caps each of the 1.125 rows per prompt, not the prompt.
+    small = [f"run.output_dir={tmp_path}", "plan.target_volume_free_tb=0.0006"]
+    tight = build_plan(load_profile(TINY, small))
+    assert not tight["fits"] and tight["remedies"]
+    for remedy in tight["remedies"]:
+        assert build_plan(load_profile(TINY, [*small, remedy["switch"]]))["fits"], remedy
+
+
+def test_a_generate_rerun_that_found_all_done_measures_no_rate(tmp_path):
+    """Its counts cover the whole file but its wall time is a moment: no rate from it."""
+    profile = load_profile(TINY, [f"run.output_dir={tmp_path}"])
+    finished_stage(
+        profile,
+        "generate",
+        0.01,
+        {"input": 320, "succeeded": 320, "skipped": 0, "failed": 0, "skip_reasons": {},
+         "completion_tokens": 32_000},
+        {"responses": "responses.jsonl", "replicas": []},
+    )  # fmt: skip
+    plan = build_plan(profile)
+    assert plan["completion_tokens_per_sample"].value == 100
+    rate = profile.plan.machines[0].generate_tokens_per_s  # the assumed one
+    assert plan["machines"][0]["hours"]["inference"] * 3600 == pytest.approx(32_000 / rate)

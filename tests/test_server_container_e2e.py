@@ -19,7 +19,7 @@ from pipeline.server_container import ENTRYPOINT
 from tests.fake_docker_engine import FakeDockerEngine, Image
 from tests.helpers import run_stage, seed_run_dir
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
 SAMPLES = 6
 

@@ -9,7 +9,13 @@ import pytest
 from pipeline.build_verifier import is_degenerate
 from pipeline.config import load_profile
 from pipeline.generate import ResponseWriter, finished_ids
-from pipeline.manifest import StageInputError, atomic_write_json, read_manifest, write_manifest
+from pipeline.manifest import (
+    StageInputError,
+    atomic_write_json,
+    portable_drafter,
+    read_manifest,
+    write_manifest,
+)
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).parent.parent
@@ -42,6 +48,102 @@ def test_manifest_records_provenance_and_a_missing_stage_names_its_target(tmp_pa
     assert m["bytes"] == 10 and m["config"]["run"]["name"] == "tiny"
     assert {"torch", "speculators", "transformers"} <= set(m["packages"])
     assert "sha" in m["git"]
+
+
+def write_paths_manifest(profile, outputs):
+    import datetime as dt
+
+    (profile.run.run_dir / "train").mkdir(parents=True, exist_ok=True)
+    return write_manifest(
+        profile,
+        "train",
+        started_at=dt.datetime.now(dt.UTC),
+        counts={"input": 1, "succeeded": 1, "skipped": 0, "failed": 0},
+        outputs=outputs,
+        inputs=("verifier",),
+    )
+
+
+def test_manifests_record_no_path_of_this_machine_and_read_back_absolute(tmp_path):
+    import shutil
+    import sys
+
+    profile = load_profile("configs/tiny.yaml", [f"run.output_dir={tmp_path / 'a'}"])
+    run_dir = profile.run.run_dir
+    outputs = {
+        "drafter": str(run_dir / "train/checkpoints/3"),
+        "command": [sys.executable, "-m", "x", "--save-path", str(run_dir / "train/ck")],
+        "cache": str(Path.home() / ".cache/huggingface"),
+        "corpus": str(REPO / "data/prompts/tiny-blend.jsonl"),
+        "spec": json.dumps({"model": str(run_dir / "train/checkpoints/3")}),
+        "hub_id": "moonshotai/Kimi-K2.5",
+        "url": "http://127.0.0.1:8000/v1",
+    }
+    m = write_paths_manifest(profile, outputs)
+    text = (run_dir / "train/manifest.json").read_text()
+    on_disk = json.loads(text)
+    for machine_path in (str(tmp_path), str(REPO), str(Path.home()), sys.prefix):
+        assert machine_path not in text
+    assert on_disk["outputs"]["drafter"] == "train/checkpoints/3"
+    assert on_disk["inputs"]["verifier"] == "verifier/manifest.json"
+    assert on_disk["config"]["run"]["output_dir"] == ".."
+    assert on_disk["outputs"]["corpus"] == "data/prompts/tiny-blend.jsonl"
+    assert on_disk["outputs"]["spec"] == json.dumps({"model": "<run>/train/checkpoints/3"})
+    assert on_disk["outputs"]["hub_id"] == outputs["hub_id"]
+    assert on_disk["outputs"]["url"] == outputs["url"]
+    assert on_disk["relative_paths"]["/outputs/drafter"] == "run"
+    assert on_disk["relative_paths"]["/outputs/corpus"] == "repo"
+
+    # Read back on this machine: the same absolute paths, and the same as write_manifest said.
+    assert m == read_manifest(profile, "train")
+    for key in ("drafter", "command", "cache", "corpus", "hub_id"):
+        assert m["outputs"][key] == outputs[key], key
+    assert m["config"]["run"]["output_dir"] == str(tmp_path / "a")
+
+    # A run folder moved elsewhere reads its own paths.
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    moved = load_profile("configs/tiny.yaml", [f"run.output_dir={tmp_path / 'b'}"])
+    assert read_manifest(moved, "train")["outputs"]["drafter"] == str(
+        moved.run.run_dir / "train/checkpoints/3"
+    )
+
+
+def test_a_drafter_names_its_verifier_without_a_machine_path(tmp_path):
+    profile = load_profile("configs/tiny.yaml", [f"run.output_dir={tmp_path}"])
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    config = {"speculators_config": {"verifier": {"name_or_path": "", "architectures": []}}}
+    for recorded, published in [
+        (str(profile.run.run_dir / "verifier/model"), "verifier/model"),
+        ("moonshotai/Kimi-K2.5", "moonshotai/Kimi-K2.5"),
+        (str(Path.home() / "models/kimi"), "~/models/kimi"),
+    ]:
+        config["speculators_config"]["verifier"]["name_or_path"] = recorded
+        (checkpoint / "config.json").write_text(json.dumps(config))
+        portable_drafter(profile, checkpoint)
+        saved = json.loads((checkpoint / "config.json").read_text())
+        assert saved["speculators_config"]["verifier"] == {
+            "name_or_path": published,
+            "architectures": [],
+        }
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "serve", "says"),
+    [
+        ("tiny.yaml", [], "verifier/model", "built locally"),
+        ("kimi-k2.5.yaml", [], "moonshotai/Kimi-K2.5", "moonshotai/Kimi-K2.5"),
+        ("kimi-k2.5.yaml", ["verifier.model=/models/Kimi-K2.5"], "<path to Kimi-K2.5>", "local"),
+    ],
+)
+def test_the_card_serves_a_verifier_a_reader_can_get(tmp_path, config, overrides, serve, says):
+    from model_card.render import verifier_view
+
+    profile = load_profile(REPO / "configs" / config, [f"run.output_dir={tmp_path}", *overrides])
+    model = str(profile.run.run_dir / "verifier/model") if profile.verifier.build else "x"
+    view = verifier_view(profile, {"model": model, "capture_layer_ids": [1]})
+    assert view["serve"] == serve and says in view["name"]
+    assert str(tmp_path) not in json.dumps(view)
 
 
 def test_torn_last_record_is_dropped_on_resume(tmp_path):

@@ -1,8 +1,9 @@
 """The whole tiny pipeline, for real: `make hero-run` on the tiny profile in a temporary run folder.
 
 Real vLLM servers on 127.0.0.1 (generate, extract, eval), real speculators data generation and
-training, real safetensors. Then: the drafter trained here beats the same drafter untrained,
-in vLLM, on the same held-out prompts.
+training, real safetensors. Then: the drafter trained here keeps the acceptance measured for this
+profile, beats vLLM's ngram drafter and the same drafter untrained, in vLLM, on the same held-out
+prompts; its greedy outputs are token-identical to the verifier's alone, compared here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from tests.helpers import TEST_OVERRIDES
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
+
+# The acceptance floors, from measured runs of this profile with TEST_OVERRIDES (24 held-out
+# prompts, 64 tokens; the 2-core CPU, 2026-12-04): mean acceptance length at batch size 1 was,
+# in two runs, EAGLE-3 1.468 (k=1) and 1.790 (k=3), vLLM's ngram 1.408 and 1.661, and the same
+# drafter untrained (random init) 1.00 to 1.03. A trained drafter must keep KEEP_OF_GAIN of the
+# measured gain over 1.0 at each k, and must not fall below ngram on the same prompts (it beat
+# it by 4% and 8%): a drafter that lost most of its training, or does no better than prompt
+# lookup, fails here.
+MEASURED_EAGLE3_LENGTH = {1: 1.468, 3: 1.790}
+KEEP_OF_GAIN = 0.75
 
 
 def test_every_stage_wrote_a_complete_manifest(tiny_run):
@@ -93,7 +104,7 @@ def test_eval_swept_k_and_methods_at_each_concurrency(tiny_run):
         summary["method"] == "eagle3"
         and summary["num_speculative_tokens"] in e.num_speculative_tokens
     )
-    assert summary["accepted_tokens"] > 0 and summary["mean_acceptance_length"] > 1.3
+    assert summary["accepted_tokens"] > 0
     # The same prompts, the same k: EAGLE-3 against vLLM's ngram drafter, in one run.
     assert summary["eagle3_over_ngram_acceptance_length"] == (
         summary["mean_acceptance_length"] / summary["ngram_mean_acceptance_length"]
@@ -111,18 +122,52 @@ def test_eval_measured_every_category(tiny_run):
     assert sum(c["output_tokens"] for c in level["per_category"].values()) == level["output_tokens"]
 
 
-def test_eval_is_lossless(tiny_run):
+def batch_size_one_length(results: dict, method: str, k: int) -> float:
+    run = next(r for r in results["runs"] if r["method"] == method and r["k"] == k)
+    level = next(lv for lv in run["levels"] if lv["concurrency"] == 1)
+    return level["acceptance"]["mean_acceptance_length"]
+
+
+def test_the_drafter_keeps_its_measured_gain_and_beats_ngram(tiny_run):
     results = eval_results(tiny_run)
-    for run in results["runs"][1:]:
-        level = run["levels"][0]  # batch size 1: greedy outputs must be token-identical
-        assert level["mismatched_prompt_ids"] == [], (run["method"], run["k"])
-    outputs = json.loads((tiny_run.run.run_dir / "eval" / "outputs.json").read_text())
-    assert all(o["token_ids"] for o in outputs["baseline-c1"].values())
-    assert outputs["eagle3-k3-c1"].keys() == outputs["baseline-c1"].keys()
-    lm_eval = results["lm_eval"]
-    assert lm_eval["lossless"], lm_eval
-    task = lm_eval["tasks"]["eval_reference_continuation"]
-    assert task["documents"] >= 20 and task["scores_without_drafter"]["chrf"] > 0
+    for k, measured in MEASURED_EAGLE3_LENGTH.items():
+        eagle3 = batch_size_one_length(results, "eagle3", k)
+        ngram = batch_size_one_length(results, "ngram", k)  # the same prompts, the same run
+        floor = 1 + KEEP_OF_GAIN * (measured - 1)
+        assert eagle3 >= floor, f"k={k}: {eagle3:.3f} is below the floor {floor:.3f}"
+        assert eagle3 >= ngram, f"k={k}: EAGLE-3 {eagle3:.3f} below ngram's {ngram:.3f}"
+
+
+def test_eval_is_lossless(tiny_run):
+    """Compared here, not taken from the stage's verdict: every arm's greedy token ids against
+    the baseline's, prompt by prompt, at every concurrency; lm-eval's scores and each
+    document's response with the drafter against those without."""
+    e = tiny_run.eval
+    folder = tiny_run.run.run_dir / "eval"
+    results = eval_results(tiny_run)
+    outputs = json.loads((folder / "outputs.json").read_text())
+    arms = [f"{m}-k{k}" for m in e.methods for k in e.num_speculative_tokens]
+    assert outputs.keys() == {f"{a}-c{c}" for a in ["baseline", *arms] for c in e.concurrency}
+    for c in e.concurrency:
+        baseline = outputs[f"baseline-c{c}"]
+        assert len(baseline) == results["prompts"]["count"] == 24
+        for pid, out in baseline.items():
+            assert out["token_ids"] and len(out["token_ids"]) == out["completion_tokens"], pid
+        for arm in arms:
+            drafted = outputs[f"{arm}-c{c}"]
+            assert drafted.keys() == baseline.keys()
+            differing = [p for p in baseline if drafted[p]["token_ids"] != baseline[p]["token_ids"]]
+            assert differing == [], (arm, c, differing)
+    task = "eval_reference_continuation"
+    without = json.loads((folder / "lm-eval" / "baseline.json").read_text())
+    with_ = json.loads(
+        (folder / "lm-eval" / f"eagle3-k{max(e.num_speculative_tokens)}.json").read_text()
+    )
+    assert len(without["responses"][task]) >= 20
+    assert with_["responses"][task] == without["responses"][task]
+    assert with_["scores"][task] == without["scores"][task]
+    assert without["scores"][task]["chrf"] > 0
+    assert results["lm_eval"]["tasks"][task]["scores_with_drafter"] == with_["scores"][task]
 
 
 def test_eval_wrote_the_table_and_plots(tiny_run):
@@ -165,6 +210,8 @@ def test_card_reloads_with_the_measured_numbers(tiny_run):
 
 
 def test_an_untrained_drafter_is_an_error_not_a_result(tiny_run, tmp_path):
+    """The same drafter untrained, on exactly the prompts, k and max_tokens the trained one was
+    measured on: about 1.0, an error; the trained one keeps its measured gain above it."""
     from eval.eval_prompts import load_eval_prompts
     from eval.measure_acceptance import Arm, EvalError, check_acceptance, measure_level
     from pipeline.build_verifier import resolved_verifier
@@ -178,18 +225,34 @@ def test_an_untrained_drafter_is_an_error_not_a_result(tiny_run, tmp_path):
     cmd = train_command(profile, verifier, prepared, untrained)
     subprocess.run([*cmd, "--dry-run"], cwd=REPO, check=True, capture_output=True, timeout=600)
     drafter = next(p for p in [untrained, *untrained.iterdir()] if (p / "config.json").exists())
-    arm = Arm("eagle3", 3)
-    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
+    k = max(MEASURED_EAGLE3_LENGTH)
+    arm = Arm("eagle3", k)
+    prompts = load_eval_prompts(profile)
+    trained_outputs = json.loads((profile.run.run_dir / "eval" / "outputs.json").read_text())
+    assert sorted(p.id for p in prompts) == sorted(trained_outputs[f"eagle3-k{k}-c1"])  # paired
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
     with vllm_server(profile, verifier, tmp_path / "vllm.log", speculative_config=spec) as ep:
-        level = measure_level(ep, profile, load_eval_prompts(profile)[:8], arm, 1)
-    assert level["acceptance"]["mean_acceptance_length"] < 1.05  # random init: about 1.0
+        level = measure_level(ep, profile, prompts, arm, 1)
+    untrained_length = level["acceptance"]["mean_acceptance_length"]
+    assert untrained_length < 1.05  # random init: about 1.0
     with pytest.raises(EvalError, match="untrained or miswired drafter") as info:
         check_acceptance(arm, level, profile.eval.min_acceptance_length)
     assert "below eval.min_acceptance_length=1.1" in str(info.value)
-    trained = next(
-        r for r in eval_results(profile)["runs"] if r["method"] == "eagle3" and r["k"] == 3
-    )
-    assert trained["levels"][0]["acceptance"]["mean_acceptance_length"] > 1.3
+    trained_length = batch_size_one_length(eval_results(profile), "eagle3", k)
+    gain = KEEP_OF_GAIN * (MEASURED_EAGLE3_LENGTH[k] - 1)
+    assert trained_length - untrained_length >= gain, (trained_length, untrained_length)
+
+
+def pin_recorded_verifier(profile) -> None:
+    """Record, in a seeded train manifest, exactly the verifier the seeded run serves, so that
+    a refusal test changes one thing only."""
+    from pipeline.build_verifier import resolved_verifier
+
+    path = profile.run.run_dir / "train" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["outputs"]["verifier"]["model"] = resolved_verifier(profile)["model"]
+    manifest.get("relative_paths", {}).pop("/outputs/verifier/model", None)
+    path.write_text(json.dumps(manifest))
 
 
 def test_a_drafter_reading_the_wrong_layers_is_refused(tiny_run, tmp_path):
@@ -201,10 +264,11 @@ def test_a_drafter_reading_the_wrong_layers_is_refused(tiny_run, tmp_path):
     overrides = [f"run.output_dir={tmp_path}", *TEST_OVERRIDES]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+    pin_recorded_verifier(profile)
     manifest_path = profile.run.run_dir / "train" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     miswired = tmp_path / "miswired-drafter"
-    shutil.copytree(manifest["outputs"]["drafter"], miswired)
+    shutil.copytree(read_manifest(profile, "train")["outputs"]["drafter"], miswired)
     config = json.loads((miswired / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [0, 2, 5]
     (miswired / "config.json").write_text(json.dumps(config))
@@ -232,40 +296,85 @@ def test_a_drafter_reading_the_wrong_layers_is_refused(tiny_run, tmp_path):
     assert not (profile.run.run_dir / "eval" / "manifest.json").exists()
 
 
-def test_eval_measures_a_running_deployment_by_base_url(tiny_run, tmp_path):
-    from pipeline.build_verifier import resolved_verifier
+def run_eval(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eval.measure_acceptance", "--config", "configs/tiny.yaml",
+         *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stderr.rstrip("\n").splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("key", "recorded"),
+    [("model", "other-org/other-verifier"), ("chat_template_sha256", "0" * 64)],
+)
+def test_a_drafter_trained_for_another_verifier_or_template_is_refused(
+    tiny_run, tmp_path, key, recorded
+):
     from pipeline.config import load_profile
-    from pipeline.vllm_server import vllm_server
     from tests.helpers import seed_run_dir
+
+    overrides = [f"run.output_dir={tmp_path}", *TEST_OVERRIDES]
+    profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
+    seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+    manifest_path = profile.run.run_dir / "train" / "manifest.json"
+    pin_recorded_verifier(profile)
+    manifest = json.loads(manifest_path.read_text())
+    manifest["outputs"]["verifier"][key] = recorded
+    manifest_path.write_text(json.dumps(manifest))
+    proc = run_eval(*overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert last_line(proc).startswith(f"error: the drafter was trained with {key}={recorded!r}")
+    assert "retrain (`make train`) or serve the right verifier" in last_line(proc)
+    assert not list((profile.run.run_dir / "eval").glob("vllm-*.log"))  # refused before serving
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_run, tmp_path_factory):
+    """A running vLLM serving the tiny verifier with the trained drafter at k=2, as a user's
+    deployment would be; measured by `make eval BASE_URL=...`."""
+    from pipeline.build_verifier import resolved_verifier
+    from pipeline.vllm_server import vllm_server
 
     drafter = read_manifest(tiny_run, "train")["outputs"]["drafter"]
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": 2}
     verifier = resolved_verifier(tiny_run)["model"]
-    with vllm_server(
-        tiny_run, verifier, tmp_path / "deployment.log", speculative_config=spec
-    ) as ep:
-        overrides = [
-            f"run.output_dir={tmp_path}",
-            f"server.base_url={ep.base_url}",
-            "data.eval_max_samples=8",
-            "eval.max_tokens=48",
-            "eval.concurrency=[1]",
-        ]
-        profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
-        seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
-        proc = subprocess.run(
-            [
-                "make",
-                "eval",
-                f"BASE_URL={ep.base_url}",
-                f"ARGS={' '.join(overrides[:1] + overrides[2:])}",
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+    log = tmp_path_factory.mktemp("deployment") / "deployment.log"
+    with vllm_server(tiny_run, verifier, log, speculative_config=spec) as ep:
+        yield ep
+
+
+def test_eval_measures_a_running_deployment_by_base_url(tiny_run, deployment, tmp_path):
+    from pipeline.config import load_profile
+    from tests.helpers import seed_run_dir
+
+    ep = deployment
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        f"server.base_url={ep.base_url}",
+        "data.eval_max_samples=8",
+        "eval.max_tokens=48",
+        "eval.concurrency=[1]",
+    ]
+    profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
+    seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+    proc = subprocess.run(
+        [
+            "make",
+            "eval",
+            f"BASE_URL={ep.base_url}",
+            f"ARGS={' '.join(overrides[:1] + overrides[2:])}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = eval_results(profile)
     assert [r["method"] for r in results["runs"]] == ["served"]
@@ -273,6 +382,132 @@ def test_eval_measures_a_running_deployment_by_base_url(tiny_run, tmp_path):
     assert summary["num_speculative_tokens"] == 2  # read from the server's own counters
     assert summary["accepted_tokens"] > 0 and "speedup" not in summary
     assert not list((profile.run.run_dir / "eval").glob("vllm-*.log"))  # nothing was started
+
+
+def test_prompts_over_the_context_are_skipped_and_named_not_sent(tiny_run, deployment, tmp_path):
+    """Spec-Bench's long rag and summarization prompts: one exactly at
+    server.max_model_len - eval.max_tokens is measured (vLLM counts it the same), one token more
+    and a far longer one are skipped before anything is sent, named by id, category and tokens.
+    Sent anyway, vLLM cuts the first's reply short of eval.max_tokens and refuses the second
+    with the 400 that used to crash eval."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from eval.eval_prompts import load_eval_prompts, prompt_token_counts
+    from pipeline.build_verifier import resolved_verifier
+    from pipeline.config import load_profile
+    from tests.helpers import seed_run_dir
+
+    ep = deployment
+    max_tokens = 48
+    limit = tiny_run.server.max_model_len - max_tokens
+    tokenizer = AutoTokenizer.from_pretrained(resolved_verifier(tiny_run)["model"])
+
+    def tokens(text: str) -> int:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return len(tokenizer(rendered, add_special_tokens=False, verbose=False).input_ids)
+
+    context = "The harbour keeps its boats in a sheltered bay. " * 60 + "Where are the boats?"
+    while tokens(context) > limit - 40:
+        context = context[context.index(". ") + 2 :]
+    while tokens(context) < limit:
+        context += " a"  # one token each
+    assert tokens(context) == limit and tokens(context + " a") == limit + 1
+    shipped = load_eval_prompts(
+        load_profile(REPO / "configs/tiny.yaml", ["data.eval_max_samples=6"])
+    )
+    questions = [
+        {"question_id": p.id, "category": p.category, "turns": [p.first_user_text]} for p in shipped
+    ]
+    questions += [
+        {"question_id": "at-limit", "category": "rag", "turns": [context]},
+        {"question_id": "one-over", "category": "rag", "turns": [context + " a"]},
+        {"question_id": "long", "category": "summarization", "turns": [context * 3]},
+    ]
+    question_file = tmp_path / "question.jsonl"
+    question_file.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        f"server.base_url={ep.base_url}",
+        f"eval.question_file={question_file}",
+        f"eval.max_tokens={max_tokens}",
+        "eval.concurrency=[1]",
+    ]
+    profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
+    seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+    proc = run_eval(*overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = eval_results(profile)
+    assert results["prompts"]["count"] == 7
+    assert results["prompts"]["skipped"] == {
+        "reason": "prompt_too_long",
+        "max_prompt_tokens": limit,
+        "count": 2,
+        "per_category": {"rag": 1, "summarization": 1},
+        "prompts": [
+            {"id": "one-over", "category": "rag", "prompt_tokens": limit + 1},
+            {"id": "long", "category": "summarization", "prompt_tokens": tokens(context * 3)},
+        ],
+    }
+    counts = read_manifest(profile, "eval")["counts"]
+    assert counts == counts | {"input": 9, "succeeded": 7, "skipped": 2, "failed": 0}
+    assert counts["skip_reasons"] == {"prompt_too_long": 2}
+    table = (profile.run.run_dir / "eval" / "results.md").read_text()
+    assert f"Skipped 2 prompts longer than {limit} tokens" in table
+    assert f"| one-over | rag | {limit + 1} |" in table
+    # The stage's count is vLLM's, prompt by prompt, the one at the limit included.
+    sent = json.loads((profile.run.run_dir / "eval" / "outputs.json").read_text())["served-c1"]
+    ours = prompt_token_counts(load_eval_prompts(profile), resolved_verifier(profile)["model"],
+                               profile)  # fmt: skip
+    assert sent.keys() == {str(q["question_id"]) for q in questions[:7]}
+    assert {pid: out["prompt_tokens"] for pid, out in sent.items()} == {p: ours[p] for p in sent}
+    assert sent["at-limit"]["prompt_tokens"] == limit
+
+    # What the skipped prompts would have met: a reply cut short, and the 400.
+    def send(text: str) -> httpx.Response:
+        body = {"model": ep.model, "max_tokens": max_tokens, "temperature": 0.0,
+                "messages": [{"role": "user", "content": text}]}  # fmt: skip
+        return httpx.post(f"{ep.v1}/chat/completions", json=body, timeout=120)
+
+    one_over = send(context + " a")
+    assert one_over.status_code == 200, one_over.text
+    assert one_over.json()["usage"]["prompt_tokens"] == limit + 1  # vLLM's count is ours
+    assert one_over.json()["usage"]["completion_tokens"] < max_tokens
+    far_over = send(context * 3)
+    assert far_over.status_code == 400 and "maximum context length" in far_over.text
+
+
+def test_a_deployment_that_drafts_nothing_is_an_error(tiny_run, tmp_path):
+    """A server without speculation measured as the drafter's deployment: vLLM's spec-decode
+    counters never move, and eval ends with one line naming what to check."""
+    from pipeline.build_verifier import resolved_verifier
+    from pipeline.config import load_profile
+    from pipeline.vllm_server import vllm_server
+    from tests.helpers import seed_run_dir
+
+    verifier = resolved_verifier(tiny_run)["model"]
+    with vllm_server(tiny_run, verifier, tmp_path / "plain.log") as ep:
+        overrides = [
+            f"run.output_dir={tmp_path}",
+            f"server.base_url={ep.base_url}",
+            "data.eval_max_samples=4",
+            "eval.max_tokens=16",
+            "eval.concurrency=[1]",
+        ]
+        profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
+        seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+        proc = run_eval(*overrides)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert last_line(proc) == (
+        "error: served at concurrency 1: the drafter ran no draft step (vLLM's spec-decode "
+        "counters did not move); check that --speculative-config reached the server (method "
+        "'eagle3') and its log"
+    )
+    assert "Traceback" not in proc.stderr
+    assert not (profile.run.run_dir / "eval" / "manifest.json").exists()
 
 
 def test_train_reported_its_steps_for_the_progress_bar(tiny_run):
