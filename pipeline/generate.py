@@ -28,7 +28,9 @@ Invariants:
   input lines included, is listed in ``skipped.jsonl`` with its place in the input (file and
   1-based line number) and reason, rewritten atomically from the records on every run;
 - ``data.max_samples`` is a seeded sample stratified by source (pipeline.prompts); the manifest
-  records it under ``outputs.sampling``;
+  records it under ``outputs.sampling``; ``responses.jsonl`` holds the current selection only:
+  finished records of other prompts are kept in ``responses.unselected.jsonl`` and come back
+  when a later selection includes them (a pilot's work is reused by the full run);
 - counts: ``succeeded + skipped + failed == input``, with the skips by reason.
 """
 
@@ -61,6 +63,9 @@ from pipeline.vllm_server import Endpoint, attach, vllm_server
 
 log = logging.getLogger(__name__)
 RESPONSES = "responses.jsonl"
+# Finished records of prompts outside the current selection (data.max_samples lowered, another
+# sample_seed): kept, and moved back when a later selection wants them.
+UNSELECTED = "responses.unselected.jsonl"
 SKIPPED = "skipped.jsonl"
 SKIP_DETAIL = {
     "prompt_too_long": "the server rejected the conversation as over server.max_model_len",
@@ -83,6 +88,35 @@ def finished_ids(path: Path) -> set[str]:
             os.fsync(fh.fileno())
         data = data[:cut]
     return {json.loads(line)["id"] for line in data.splitlines() if line.strip()}
+
+
+def select_records(folder: Path, wanted: set[str]) -> set[str]:
+    """Make ``responses.jsonl`` hold exactly the finished records of the ``wanted`` ids, parking
+    the others in ``UNSELECTED`` and bringing parked ones back; return the finished wanted ids.
+
+    Every reader of ``responses.jsonl`` (extract, the license check, eval's leak guard) then sees
+    the current selection only. The parked file is written before the main one, so a crash in
+    between leaves a record in both, never in neither; duplicates are dropped on the next call.
+    """
+    main, parked = folder / RESPONSES, folder / UNSELECTED
+    finished_ids(main)  # cuts a torn last line
+    lines = [line for f in (main, parked) if f.exists() for line in f.read_bytes().splitlines()]
+    keep: list[bytes] = []
+    park: list[bytes] = []
+    seen: set[str] = set()
+    for line in lines:
+        if not line.strip() or (rid := json.loads(line)["id"]) in seen:
+            continue
+        seen.add(rid)
+        (keep if rid in wanted else park).append(line)
+    if park:
+        log.info("generate: %d finished records kept aside in %s", len(park), UNSELECTED)
+        atomic_write_bytes(parked, b"".join(line + b"\n" for line in park))
+    if park or parked.exists():
+        atomic_write_bytes(main, b"".join(line + b"\n" for line in keep))
+        if not park:
+            parked.unlink()
+    return {json.loads(line)["id"] for line in keep}
 
 
 class ResponseWriter:
@@ -324,7 +358,8 @@ def run(profile: Profile) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     prompts = load_input(profile)
     out = folder / RESPONSES
-    done = finished_ids(out)
+    wanted = {r.id for r in prompts.rows}
+    done = select_records(folder, wanted)
     todo = [r for r in prompts.rows if r.id not in done]
     log.info(
         "generate: %d prompts, %d already finished, %d to do",
@@ -342,8 +377,7 @@ def run(profile: Profile) -> dict[str, Any]:
         finally:
             writer.close()
     # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
-    wanted = {r.id for r in prompts.rows}
-    records = [r for r in read_responses(out) if r["id"] in wanted]
+    records = read_responses(out) if out.exists() else []
     write_skipped(folder / SKIPPED, prompts, records)
     counts = count_records(prompts, records)
     if counts["failed"]:

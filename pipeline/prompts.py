@@ -14,7 +14,9 @@ Invariants:
   one :class:`PromptDataError` naming the place and the fix;
 - ``max_samples`` draws a seeded random sample, stratified by ``source`` in proportion to each
   source's share (largest remainders), so a prompt set ordered by source is not cut to its
-  first sources; the rows keep their file order; :class:`Sampling` records seed and counts;
+  first sources; each source's rows are drawn in an order fixed by the seed, so a smaller
+  sample is (but for rounding) part of a larger one; the rows keep their file order;
+  :class:`Sampling` records seed and counts;
 - a row without an ``id`` gets a stable one derived from its content, so that resume-by-id
   survives reordering.
 """
@@ -205,6 +207,14 @@ def allot(available: dict[str, int], n: int) -> dict[str, int]:
     return quota
 
 
+def seeded_order(indices: list[int], seed: int, source: str) -> list[int]:
+    """``indices`` in an order fixed by the seed and the source alone, not by the sample size:
+    a smaller sample's rows are the first of a larger one's (a pilot's work is reused)."""
+    order = list(indices)
+    random.Random(f"{seed}:{source}").shuffle(order)
+    return order
+
+
 def sample_indices(
     sources: list[str] | None, n: int | None, seed: int
 ) -> tuple[list[int], Sampling]:
@@ -218,9 +228,8 @@ def sample_indices(
         return list(range(size)), Sampling(
             "all", seed, n, {s: {"available": c, "sampled": c} for s, c in available.items()}
         )
-    rng = random.Random(seed)
     quota = allot(available, n)
-    picked = sorted(i for s in available for i in rng.sample(strata[s], quota[s]))
+    picked = sorted(i for s in available for i in seeded_order(strata[s], seed, s)[: quota[s]])
     method = "stratified" if len(available) > 1 else "random"
     by_source = {s: {"available": c, "sampled": quota[s]} for s, c in available.items()}
     return picked, Sampling(method, seed, n, by_source)

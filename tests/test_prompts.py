@@ -64,6 +64,8 @@ def test_a_prompt_file_ordered_by_source_is_sampled_in_proportion(tmp_path):
     assert sample.sampling.method == "stratified" and sample.sampling.seed == 7
     assert sample.sampling.by_source["small"] == {"available": 97, "sampled": 10}
     assert sample.sampling.by_source["tiny"] == {"available": 3, "sampled": 0}
+    larger = load_prompt_set(path, None, "train", 300, seed=7)
+    assert {r.id for r in sample.rows} < {r.id for r in larger.rows}  # a pilot is reused
     whole = load_prompt_set(path, None, "train", None)
     assert whole.sampling.method == "all" and len(whole.rows) == 1000
 
