@@ -95,12 +95,14 @@ def select_records(folder: Path, wanted: set[str]) -> set[str]:
     the others in ``UNSELECTED`` and bringing parked ones back; return the finished wanted ids.
 
     Every reader of ``responses.jsonl`` (extract, the license check, eval's leak guard) then sees
-    the current selection only. The parked file is written before the main one, so a crash in
-    between leaves a record in both, never in neither; duplicates are dropped on the next call.
+    the current selection only. Every record is first in the parked file (old and new parked
+    records), then the main file is rewritten, then the parked one: a crash anywhere leaves a
+    record in both, never in neither, and duplicates are dropped on the next call.
     """
     main, parked = folder / RESPONSES, folder / UNSELECTED
     finished_ids(main)  # cuts a torn last line
-    lines = [line for f in (main, parked) if f.exists() for line in f.read_bytes().splitlines()]
+    old_parked = parked.read_bytes().splitlines() if parked.exists() else []
+    lines = [*(main.read_bytes().splitlines() if main.exists() else []), *old_parked]
     keep: list[bytes] = []
     park: list[bytes] = []
     seen: set[str] = set()
@@ -109,13 +111,19 @@ def select_records(folder: Path, wanted: set[str]) -> set[str]:
             continue
         seen.add(rid)
         (keep if rid in wanted else park).append(line)
+    if not park and not old_parked:
+        return {json.loads(line)["id"] for line in keep}  # nothing to move
+    log.info("generate: %d finished records kept aside in %s", len(park), UNSELECTED)
+
+    def write(path: Path, records: list[bytes]) -> None:
+        atomic_write_bytes(path, b"".join(line + b"\n" for line in records))
+
+    write(parked, [*old_parked, *park])  # first a superset, so a crash loses nothing
+    write(main, keep)
     if park:
-        log.info("generate: %d finished records kept aside in %s", len(park), UNSELECTED)
-        atomic_write_bytes(parked, b"".join(line + b"\n" for line in park))
-    if park or parked.exists():
-        atomic_write_bytes(main, b"".join(line + b"\n" for line in keep))
-        if not park:
-            parked.unlink()
+        write(parked, park)
+    else:
+        parked.unlink()
     return {json.loads(line)["id"] for line in keep}
 
 

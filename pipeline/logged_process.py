@@ -10,15 +10,12 @@ trainer holding the GPUs), and an exception here (Ctrl-C) stops the group before
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import subprocess
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.server_guard import GRACE_S, guarded
+from pipeline.server_guard import guarded, process_start, stop_guarded
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +46,10 @@ def run_logged(
             env=env,
             start_new_session=True,
         )
+    start = process_start(proc.pid)
     try:
         code = proc.wait()
     finally:
-        if proc.poll() is None:  # interrupted here: the guard stops the tool and its workers
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=3 * GRACE_S + 10)
+        stop_guarded(proc, start)  # interrupted here: the tool and its workers; else leftovers
     if code:
         raise error(f"{what} failed with status {code}; log {log_path}:\n{log_tail(log_path)}")

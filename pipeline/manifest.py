@@ -60,7 +60,15 @@ DRAFTER_FILES = ("config.json", "model.safetensors")
 
 # The key of a portable record that names its relative paths: JSON pointer -> base.
 RELATIVE_PATHS = "relative_paths"
-PLACEHOLDERS = {"run": "<run>", "venv": "<venv>", "repo": "<repo>", "home": "~"}
+PLACEHOLDERS = {
+    "run": "<run>",
+    "venv": "<venv>",
+    "repo": "<repo>",
+    "home": "~",
+    "verifier": "<verifier>",
+    "data": "<data>",
+    "eval_data": "<eval-data>",
+}
 
 
 class StageInputError(PipelineError):
@@ -69,10 +77,20 @@ class StageInputError(PipelineError):
 
 def machine_paths(profile: Profile) -> dict[str, Path]:
     """The folders of this machine a recorded path may lie under: run folder, venv, checkout,
-    home (the filesystem root never: it would swallow every path)."""
+    home, and the profile's own absolute paths (a local verifier folder, the folders of local
+    prompt sets); the filesystem root never: it would swallow every path."""
     bases = {"run": profile.run.run_dir.absolute(), "repo": REPO_ROOT, "home": Path.home()}
     if sys.prefix != sys.base_prefix:
         bases["venv"] = Path(sys.prefix).absolute()
+    declared = {
+        "verifier": (profile.verifier.model, False),
+        "data": (profile.data.dataset, True),
+        "eval_data": (profile.data.eval_dataset, True),
+    }
+    for name, (value, may_be_file) in declared.items():
+        if value and Path(value).is_absolute():
+            path = Path(os.path.normpath(value))
+            bases[name] = path.parent if may_be_file and path.suffix else path
     return {name: base for name, base in bases.items() if base.parent != base}
 
 
@@ -83,7 +101,7 @@ def _bases(profile: Profile) -> list[tuple[str, Path]]:
         for name, base in machine_paths(profile).items()
         for variant in (base, base.resolve())
     }
-    return sorted(pairs, key=lambda pair: -len(pair[1].parts))
+    return sorted(pairs, key=lambda pair: (-len(pair[1].parts), pair[0], str(pair[1])))
 
 
 def _relative(value: str, profile: Profile, bases: list[tuple[str, Path]]) -> tuple[str, str]:

@@ -10,8 +10,9 @@ Invariants:
 - every input line or row is accounted for: a :class:`PromptRow`, or a :class:`RejectedRow`
   with its place (``<file> line N``, 1-based; ``row N`` for a Hub or parquet dataset) and its
   reason (``invalid_utf8``, ``invalid_json``, ``malformed_row``, ``duplicate_id``,
-  ``empty_line``); with ``on_malformed="error"`` the first rejected row (empty lines aside) is
-  one :class:`PromptDataError` naming the place and the fix;
+  ``empty_line``; empty lines are counted only when no sample is drawn); with
+  ``on_malformed="error"`` the first rejected row (empty lines aside) is one
+  :class:`PromptDataError` naming the place and the fix;
 - ``max_samples`` draws a seeded random sample, stratified by ``source`` in proportion to each
   source's share (largest remainders), so a prompt set ordered by source is not cut to its
   first sources; each source's rows are drawn in an order fixed by the seed, so a smaller
@@ -26,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -155,14 +158,39 @@ def parse_line(where: str, raw: bytes) -> _Candidate:
     return _Candidate(where, data)
 
 
-def read_jsonl(dataset: str, files: list[Path], local: Path) -> list[_Candidate]:
-    """Every line of every file, parsed; named ``<dataset>[/<file>] line N``."""
-    out = []
-    for f in files:
+def jsonl_lines(
+    dataset: str, files: list[Path], local: Path, wanted: set[tuple[int, int]] | None = None
+) -> Iterator[tuple[tuple[int, int], str, bytes]]:
+    """Each line (or each ``wanted`` one) of the files, streamed: ((file index, 1-based line
+    number), its place ``<dataset>[/<file>] line N``, its bytes)."""
+    for k, f in enumerate(files):
         name = dataset if f == local else f"{dataset.rstrip('/')}/{f.name}"
-        for number, raw in enumerate(f.read_bytes().splitlines(), 1):
-            out.append(parse_line(f"{name} line {number}", raw))
-    return out
+        with f.open("rb") as fh:
+            for number, raw in enumerate(fh, 1):
+                if wanted is None or (k, number) in wanted:
+                    yield (k, number), f"{name} line {number}", raw.rstrip(b"\r\n")
+
+
+def read_jsonl(
+    dataset: str, files: list[Path], local: Path, max_samples: int | None, seed: int
+) -> tuple[list[_Candidate], list[RejectedRow], Sampling]:
+    """Two streamed passes, so that a multi-gigabyte local set is never held whole: the first
+    notes each line's source (what sampling needs), the second parses the drawn lines."""
+    keys: list[tuple[int, int]] = []
+    sources: list[str] = []
+    empty: list[RejectedRow] = []
+    for key, where, raw in jsonl_lines(dataset, files, local):
+        line = parse_line(where, raw)
+        if line.problem is not None and line.problem.reason == "empty_line":
+            empty.append(line.problem)
+            continue
+        keys.append(key)
+        sources.append(sys.intern(line.source))
+    picked, sampling = sample_indices(sources, max_samples, seed)
+    drawn = {keys[i] for i in picked}
+    parsed = [parse_line(where, raw) for _, where, raw in jsonl_lines(dataset, files, local, drawn)]
+    # Empty lines are not rows: counted when every row is read, not against a sample.
+    return parsed, empty if sampling.method == "all" else [], sampling
 
 
 def load_table(dataset: str, revision: str | None, split: str) -> datasets.Dataset:
@@ -191,8 +219,8 @@ def count_rows(dataset: str, revision: str | None, split: str) -> int:
     """How many non-empty rows the set holds (what ``max_samples`` draws from)."""
     local = resolve_local(dataset)
     if local is not None and local_files(dataset, local)[0].suffix == ".jsonl":
-        files = local_files(dataset, local)
-        return sum(bool(line.strip()) for f in files for line in f.read_bytes().splitlines())
+        lines = jsonl_lines(dataset, local_files(dataset, local), local)
+        return sum(bool(raw.strip()) for _, _, raw in lines)
     return len(load_table(dataset, revision, split))
 
 
@@ -241,11 +269,7 @@ def candidates(
     """The sampled candidates, the empty lines (never candidates), and the sampling record."""
     local = resolve_local(dataset)
     if local is not None and local_files(dataset, local)[0].suffix == ".jsonl":
-        parsed = read_jsonl(dataset, local_files(dataset, local), local)
-        empty = [c.problem for c in parsed if c.problem and c.problem.reason == "empty_line"]
-        lines = [c for c in parsed if not (c.problem and c.problem.reason == "empty_line")]
-        picked, sampling = sample_indices([c.source for c in lines], max_samples, seed)
-        return [lines[i] for i in picked], empty, sampling
+        return read_jsonl(dataset, local_files(dataset, local), local, max_samples, seed)
     table = load_table(dataset, revision, split)
     if "source" in table.column_names:
         sources = [s if isinstance(s, str) and s else NO_SOURCE for s in table["source"]]
@@ -274,7 +298,8 @@ def normalise_row(where: str, row: dict[str, Any]) -> PromptRow:
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise PromptDataError(f"{label}: turn {t} is not a {{from, value}} object")
-        role = ROLE_OF.get(turn.get("from"))
+        said = turn.get("from")
+        role = ROLE_OF.get(said) if isinstance(said, str) else None
         if role is None:
             raise PromptDataError(
                 f"{label}: turn {t} has unknown role {turn.get('from')!r}; "
@@ -348,5 +373,6 @@ def data_revision(dataset: str, revision: str | None) -> dict[str, Any]:
     files = [local] if local.is_file() else sorted(local.glob("*.jsonl"))
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f.read_bytes())
+        with f.open("rb") as fh:
+            hashlib.file_digest(fh, lambda: digest)
     return {"dataset": dataset, "revision": None, "sha256": digest.hexdigest()}

@@ -136,6 +136,42 @@ def _leftovers(me: int) -> list[psutil.Process]:
     return list(found.values())
 
 
+def reap_adopted(child: int) -> None:
+    """Wait for the orphans this subreaper adopted and that have exited (no zombies piling up
+    over a long server run); the server itself is waited for by ``Popen``."""
+    for p in psutil.Process().children():
+        if p.pid != child:
+            with contextlib.suppress(ChildProcessError, psutil.NoSuchProcess):
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(p.pid, os.WNOHANG)
+
+
+def stop_guarded(proc: subprocess.Popen, start: str | None, grace_s: float = GRACE_S) -> None:
+    """Stop a command started under :func:`guarded` (``start``: its kernel start time): SIGTERM
+    to its group, for the guard to stop the command and sweep its descendants; SIGKILL to the
+    group if the guard outlasts its own worst case; then whatever is left of the group."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=4 * grace_s + 40)  # the guard's grace periods, and a margin
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    stop_group_of(proc.pid, start, grace_s)
+
+
+def stop_group_of(pgid: int, start: str | None, grace_s: float = GRACE_S) -> int:
+    """Stop what is left of the group whose leader was ``pgid`` started at ``start``; how many.
+
+    A live leader with another start time is a recycled pid: nothing is stopped. A dead leader's
+    group id stays reserved while any member lives, so its members are the server's.
+    """
+    now = process_start(pgid)
+    return stop_group(pgid, grace_s) if now is None or now == start else 0
+
+
 def _exit_like(status: int) -> None:
     if status < 0:  # died of a signal: so does the guard, and its parent sees the same
         with contextlib.suppress(OSError, ValueError):  # SIGKILL's action is always the default
@@ -162,6 +198,8 @@ def guard(owner: int, cmd: list[str], grace_s: float) -> int:
     me = os.getpid()
     if os.getpgrp() != me:
         os.setpgid(0, 0)
+    if stopping:  # stopped before the server started: start nothing
+        return 128 + stopping[0]
     child = subprocess.Popen(cmd)
     while child.poll() is None:
         owner_gone = os.getppid() != owner
@@ -173,12 +211,15 @@ def guard(owner: int, cmd: list[str], grace_s: float) -> int:
                     flush=True,
                 )
                 os.killpg(me, signal.SIGTERM)  # the guard's own is caught by on_stop
+            else:  # the group's SIGTERM may have come before the server was started
+                child.send_signal(signal.SIGTERM)
             try:
                 child.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
             break
+        reap_adopted(child.pid)
         time.sleep(POLL_S)
     for _ in range(3):  # one may fork while the others are stopped
         if not (rest := _leftovers(me)):

@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -47,7 +46,8 @@ from pipeline.server_guard import (
     owner_alive,
     owner_id,
     process_start,
-    stop_group,
+    stop_group_of,
+    stop_guarded,
 )
 
 log = logging.getLogger(__name__)
@@ -195,31 +195,6 @@ def process_exit(proc: subprocess.Popen, what: str = "vLLM") -> Callable[[], str
     return lambda: None if proc.poll() is None else f"{what} exited with status {proc.returncode}"
 
 
-def _stop_group_of(pgid: int, start: str | None, grace_s: float = GRACE_S) -> int:
-    """Stop what is left of the group whose leader was ``pgid`` started at ``start``; how many.
-
-    A live leader with another start time is a recycled pid: nothing is stopped. A dead leader's
-    group id stays reserved while any member lives, so its members are the server's.
-    """
-    now = process_start(pgid)
-    return stop_group(pgid, grace_s) if now is None or now == start else 0
-
-
-def _stop(proc: subprocess.Popen, start: str | None, grace_s: float = GRACE_S) -> None:
-    """SIGTERM to the group; the guard waits for the server and sweeps the rest of the group.
-    Whatever is left once the guard is gone (it was killed) is stopped here."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=3 * grace_s + 10)  # the guard's own grace periods, and a margin
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    _stop_group_of(proc.pid, start, grace_s)
-
-
 def _record(folder: Path, pgid: int, start: str | None, cmd: list[str], log_path: Path) -> Path:
     record = folder / f"{pgid}.json"
     body = {
@@ -249,7 +224,7 @@ def reap_orphans(folder: Path, grace_s: float = GRACE_S) -> list[int]:
             continue
         if owner_alive(owner):
             continue
-        if _stop_group_of(pgid, start, grace_s):
+        if stop_group_of(pgid, start, grace_s):
             log.warning(
                 "stopped vLLM server group %d left behind by a killed stage (log %s)",
                 pgid,
@@ -333,6 +308,6 @@ def vllm_server(
             pid=proc.pid,
         )
     finally:
-        _stop(proc, start)
+        stop_guarded(proc, start)
         if record is not None:
             record.unlink(missing_ok=True)

@@ -207,13 +207,22 @@ def published_text(path: Path) -> str:
     return path.read_bytes().decode("latin-1")
 
 
+def written_by(name: str) -> str:
+    """The make target that writes a released file: what to rerun when it names a machine path."""
+    if name.startswith("manifests/"):
+        return {"licenses": "check-licenses"}.get(Path(name).stem, Path(name).stem)
+    if name == "data_licenses.json" or name == "LICENSE":
+        return "check-licenses"
+    return "eval" if name.startswith("eval/") or name.endswith(".png") else "publish"
+
+
 def check_no_machine_paths(profile: Profile, folder: Path) -> None:
     """Refuse a release in which a file names the run folder, checkout, venv or home folder."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         text = published_text(path)
         if portable_text(profile, text) != text:
             name = path.relative_to(folder).as_posix()
-            stage = WRITTEN_BY.get(name, name.split("/")[0])
+            stage = WRITTEN_BY.get(name) or written_by(name)
             raise PublishError(
                 f"{name} names a path of this machine (the run folder, checkout, virtual "
                 f"environment or home folder): a release carries paths relative to the run "

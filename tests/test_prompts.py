@@ -80,6 +80,7 @@ def test_hub_dataset_must_be_pinned():
     [
         ({"conversations": [], "source": "s"}, "non-empty list"),
         ({"conversations": [{"from": "robot", "value": "hi"}], "source": "s"}, "unknown role"),
+        ({"conversations": [{"from": ["human"], "value": "hi"}], "source": "s"}, "unknown role"),
         ({"conversations": [{"from": "human", "value": "  "}], "source": "s"}, "empty or non-str"),
         ({"conversations": [{"from": "gpt", "value": "hello"}], "source": "s"}, "no human turn"),
         ({"conversations": [{"from": "human", "value": "hi"}], "source": ""}, "'source'"),
@@ -148,3 +149,13 @@ def test_broken_lines_are_skipped_with_reason_and_line_number(tmp_path):
         (f"{path} line 7", "malformed_row"),
     ]
     assert [r.where for r in loaded.rows] == [f"{path} line {n}" for n in (1, 3, 6, 8)]
+
+
+def test_empty_lines_count_when_every_row_is_read_not_against_a_sample(tmp_path):
+    path = broken_file(tmp_path)
+    whole = load_prompt_set(path, None, "train", None, on_malformed="skip")
+    sample = load_prompt_set(path, None, "train", 2, on_malformed="skip")
+    assert "empty_line" in {r.reason for r in whole.rejected}
+    assert "empty_line" not in {r.reason for r in sample.rejected}
+    drawn = sum(c["sampled"] for c in sample.sampling.by_source.values())
+    assert len(sample.rows) + len(sample.rejected) == drawn == 2

@@ -108,6 +108,29 @@ def test_manifests_record_no_path_of_this_machine_and_read_back_absolute(tmp_pat
     )
 
 
+def test_a_local_verifier_and_prompt_set_outside_every_base_are_not_published(tmp_path):
+    model, data = tmp_path / "models" / "Qwen3-8B", tmp_path / "datasets" / "blend.jsonl"
+    profile = load_profile(
+        "configs/kimi-k2.5.yaml",
+        [f"run.output_dir={tmp_path / 'runs'}", f"verifier.model={model}", f"data.dataset={data}"],
+    )
+    outputs = {"model": str(model), "where": f"{data} line 7", "dataset": str(data)}
+    m = write_paths_manifest(profile, outputs)
+    text = (profile.run.run_dir / "train/manifest.json").read_text()
+    assert str(tmp_path) not in text
+    on_disk = json.loads(text)
+    assert on_disk["outputs"]["where"] == "blend.jsonl line 7"
+    assert on_disk["relative_paths"]["/outputs/where"] == "data"
+    assert on_disk["config"]["verifier"]["model"] == "."
+    assert m["outputs"] == outputs  # read back absolute on this machine
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    config = {"speculators_config": {"verifier": {"name_or_path": str(model)}}}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    portable_drafter(profile, checkpoint)
+    assert str(tmp_path) not in (checkpoint / "config.json").read_text()
+
+
 def test_a_drafter_names_its_verifier_without_a_machine_path(tmp_path):
     profile = load_profile("configs/tiny.yaml", [f"run.output_dir={tmp_path}"])
     checkpoint = tmp_path / "ckpt"
