@@ -75,10 +75,10 @@ SKIP_DETAIL = {
 }
 
 
-def finished_ids(path: Path) -> set[str]:
-    """Ids already written; a torn (partial) last line from a crash is cut off first."""
+def complete_records(path: Path) -> list[bytes]:
+    """The file's record lines; a torn (partial) last line from a crash is cut off first."""
     if not path.exists():
-        return set()
+        return []
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
@@ -87,7 +87,12 @@ def finished_ids(path: Path) -> set[str]:
             fh.truncate(cut)
             os.fsync(fh.fileno())
         data = data[:cut]
-    return {json.loads(line)["id"] for line in data.splitlines() if line.strip()}
+    return [line for line in data.splitlines() if line.strip()]
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Ids already written (a torn last line cut off first)."""
+    return {json.loads(line)["id"] for line in complete_records(path)}
 
 
 def select_records(folder: Path, wanted: set[str]) -> set[str]:
@@ -100,19 +105,18 @@ def select_records(folder: Path, wanted: set[str]) -> set[str]:
     record in both, never in neither, and duplicates are dropped on the next call.
     """
     main, parked = folder / RESPONSES, folder / UNSELECTED
-    finished_ids(main)  # cuts a torn last line
-    old_parked = parked.read_bytes().splitlines() if parked.exists() else []
-    lines = [*(main.read_bytes().splitlines() if main.exists() else []), *old_parked]
+    old_parked = complete_records(parked)
     keep: list[bytes] = []
     park: list[bytes] = []
     seen: set[str] = set()
-    for line in lines:
-        if not line.strip() or (rid := json.loads(line)["id"]) in seen:
+    for line in [*complete_records(main), *old_parked]:
+        if (rid := json.loads(line)["id"]) in seen:
             continue
         seen.add(rid)
         (keep if rid in wanted else park).append(line)
+    kept_ids = seen & wanted
     if not park and not old_parked:
-        return {json.loads(line)["id"] for line in keep}  # nothing to move
+        return kept_ids  # nothing to move
     log.info("generate: %d finished records kept aside in %s", len(park), UNSELECTED)
 
     def write(path: Path, records: list[bytes]) -> None:
@@ -124,7 +128,7 @@ def select_records(folder: Path, wanted: set[str]) -> set[str]:
         write(parked, park)
     else:
         parked.unlink()
-    return {json.loads(line)["id"] for line in keep}
+    return kept_ids
 
 
 class ResponseWriter:
@@ -319,8 +323,8 @@ def load_input(profile: Profile) -> PromptSet:
     return prompts
 
 
-def write_skipped(path: Path, prompts: PromptSet, records: list[dict[str, Any]]) -> int:
-    """Every skipped row, its place in the input and why, one JSON line each; returns the count."""
+def write_skipped(path: Path, prompts: PromptSet, records: list[dict[str, Any]]) -> None:
+    """Every skipped row, its place in the input and why, one JSON line each."""
     where = {r.id: r.where for r in prompts.rows}
     lines = [bad.record() for bad in prompts.rejected]
     lines += [
@@ -337,7 +341,6 @@ def write_skipped(path: Path, prompts: PromptSet, records: list[dict[str, Any]])
     atomic_write_bytes(
         path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
     )
-    return len(lines)
 
 
 def count_records(prompts: PromptSet, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,11 +11,10 @@ trainer holding the GPUs), and an exception here (Ctrl-C) stops the group before
 from __future__ import annotations
 
 import logging
-import subprocess
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.server_guard import guarded, process_start, stop_guarded
+from pipeline.server_guard import start_guarded, stop_guarded
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +37,7 @@ def run_logged(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("%s: %s (log %s)", what, " ".join(cmd), log_path)
     with open(log_path, "ab") as fh:
-        proc = subprocess.Popen(
-            guarded(cmd),
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    start = process_start(proc.pid)
+        proc, start = start_guarded(cmd, fh, env)
     try:
         code = proc.wait()
     finally:

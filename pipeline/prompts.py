@@ -140,6 +140,15 @@ def local_files(dataset: str, local: Path) -> list[Path]:
     return files
 
 
+def local_jsonl(dataset: str) -> tuple[Path, list[Path]] | None:
+    """A local JSONL set: the file or folder given, and its files; None for anything else."""
+    local = resolve_local(dataset)
+    if local is None:
+        return None
+    files = local_files(dataset, local)
+    return (local, files) if files[0].suffix == ".jsonl" else None
+
+
 def parse_line(where: str, raw: bytes) -> _Candidate:
     try:
         text = raw.decode("utf-8")
@@ -217,9 +226,9 @@ def load_table(dataset: str, revision: str | None, split: str) -> datasets.Datas
 
 def count_rows(dataset: str, revision: str | None, split: str) -> int:
     """How many non-empty rows the set holds (what ``max_samples`` draws from)."""
-    local = resolve_local(dataset)
-    if local is not None and local_files(dataset, local)[0].suffix == ".jsonl":
-        lines = jsonl_lines(dataset, local_files(dataset, local), local)
+    if (jsonl := local_jsonl(dataset)) is not None:
+        local, files = jsonl
+        lines = jsonl_lines(dataset, files, local)
         return sum(bool(raw.strip()) for _, _, raw in lines)
     return len(load_table(dataset, revision, split))
 
@@ -267,9 +276,9 @@ def candidates(
     dataset: str, revision: str | None, split: str, max_samples: int | None, seed: int
 ) -> tuple[list[_Candidate], list[RejectedRow], Sampling]:
     """The sampled candidates, the empty lines (never candidates), and the sampling record."""
-    local = resolve_local(dataset)
-    if local is not None and local_files(dataset, local)[0].suffix == ".jsonl":
-        return read_jsonl(dataset, local_files(dataset, local), local, max_samples, seed)
+    if (jsonl := local_jsonl(dataset)) is not None:
+        local, files = jsonl
+        return read_jsonl(dataset, files, local, max_samples, seed)
     table = load_table(dataset, revision, split)
     if "source" in table.column_names:
         sources = [s if isinstance(s, str) and s else NO_SOURCE for s in table["source"]]

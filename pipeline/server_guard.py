@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 import psutil
 
@@ -75,6 +76,22 @@ def guarded(cmd: list[str], grace_s: float = GRACE_S) -> list[str]:
     Start it with ``start_new_session=True``, so that the guard leads a group of its own."""
     guard = [sys.executable, "-m", MODULE, "--owner", str(os.getpid()), "--grace-s", str(grace_s)]
     return [*guard, "--", *cmd]
+
+
+def start_guarded(
+    cmd: list[str], stdout: IO[bytes], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str | None]:
+    """Start ``cmd`` under a guard, in a session of its own, its output to ``stdout``; the
+    guard's process and its kernel start time (for :func:`stop_guarded`)."""
+    proc = subprocess.Popen(
+        guarded(cmd),
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    return proc, process_start(proc.pid)
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -15,7 +15,8 @@ each row's hidden states on demand (``--on-missing generate``) and deletes them 
 
 One device by default (``python -m pipeline.speculators_train``); ``train.num_devices > 1``
 (or ``train.launcher: torchrun``) launches the same entry point through torchrun on this machine,
-its rendezvous and collectives on loopback, with FSDP sharding when ``train.fsdp_shard``;
+its collectives on loopback (but see :func:`launcher`: torchrun's store listens on every
+interface), with FSDP sharding when ``train.fsdp_shard``;
 ``train.from_pretrained`` finetunes an existing drafter. speculators resumes from the newest
 checkpoint in the save path, so a rerun after a crash continues instead of starting over.
 
@@ -63,7 +64,10 @@ def launcher(train: TrainConfig) -> list[str]:
     """The trainer's entry point, directly or through torchrun on this one machine."""
     if not train.torchrun:
         return [sys.executable, "-m", ENTRY]
-    # One node; the rendezvous store on loopback, not on every interface as --standalone does.
+    # One node. The endpoint names loopback, yet with torch 2.13 torchrun's c10d store (and its
+    # agent) listens on every interface whatever the endpoint or MASTER_ADDR says: an
+    # unauthenticated store open to the network while training runs (issue 24 tracks the fix,
+    # e.g. a FileStore or a store handed a socket bound to 127.0.0.1).
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(train.num_devices),

@@ -42,10 +42,9 @@ from pipeline.manifest import REPO_ROOT
 from pipeline.progress import progress
 from pipeline.server_guard import (
     GRACE_S,
-    guarded,
     owner_alive,
     owner_id,
-    process_start,
+    start_guarded,
     stop_group_of,
     stop_guarded,
 )
@@ -282,15 +281,7 @@ def vllm_server(
     reap_orphans(servers)
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            guarded(cmd),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=server_env(profile),
-            start_new_session=True,
-        )
-    start = process_start(proc.pid)
+        proc, start = start_guarded(cmd, log_file, server_env(profile))
     record = None
     try:
         record = _record(servers, proc.pid, start, cmd, log_path)

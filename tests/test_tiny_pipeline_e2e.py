@@ -348,20 +348,27 @@ def deployment(tiny_run, tmp_path_factory):
         yield ep
 
 
-def test_eval_measures_a_running_deployment_by_base_url(tiny_run, deployment, tmp_path):
+def deployment_eval(tiny_run, tmp_path, base_url: str, samples: int, max_tokens: int):
+    """Overrides (the server's base_url second) and profile of an eval run of a deployment at
+    ``base_url``, at batch size 1, on the tiny run's verifier, data and drafter."""
     from pipeline.config import load_profile
     from tests.helpers import seed_run_dir
 
-    ep = deployment
     overrides = [
         f"run.output_dir={tmp_path}",
-        f"server.base_url={ep.base_url}",
-        "data.eval_max_samples=8",
-        "eval.max_tokens=48",
+        f"server.base_url={base_url}",
+        f"data.eval_max_samples={samples}",
+        f"eval.max_tokens={max_tokens}",
         "eval.concurrency=[1]",
     ]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+    return overrides, profile
+
+
+def test_eval_measures_a_running_deployment_by_base_url(tiny_run, deployment, tmp_path):
+    ep = deployment
+    overrides, profile = deployment_eval(tiny_run, tmp_path, ep.base_url, 8, 48)
     proc = subprocess.run(
         [
             "make",
@@ -484,21 +491,11 @@ def test_a_deployment_that_drafts_nothing_is_an_error(tiny_run, tmp_path):
     """A server without speculation measured as the drafter's deployment: vLLM's spec-decode
     counters never move, and eval ends with one line naming what to check."""
     from pipeline.build_verifier import resolved_verifier
-    from pipeline.config import load_profile
     from pipeline.vllm_server import vllm_server
-    from tests.helpers import seed_run_dir
 
     verifier = resolved_verifier(tiny_run)["model"]
     with vllm_server(tiny_run, verifier, tmp_path / "plain.log") as ep:
-        overrides = [
-            f"run.output_dir={tmp_path}",
-            f"server.base_url={ep.base_url}",
-            "data.eval_max_samples=4",
-            "eval.max_tokens=16",
-            "eval.concurrency=[1]",
-        ]
-        profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
-        seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+        overrides, profile = deployment_eval(tiny_run, tmp_path, ep.base_url, 4, 16)
         proc = run_eval(*overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert last_line(proc) == (
