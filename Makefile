@@ -26,7 +26,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo hero-run gpu-smoke plan bench verifier generate check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv demo hero-run gpu-smoke plan bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
@@ -47,10 +47,10 @@ demo: $(STAMP)
 
 ifeq ($(RUNNER),local)
 hero-run: $(STAMP)
-	$(STAGE) pipeline.plan --check --config $(CONFIG) $(ARGS)
+	$(STAGE) pipeline.tools.plan --check --config $(CONFIG) $(ARGS)
 	$(MAKE) verifier CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) generate CONFIG=$(CONFIG) ARGS='$(ARGS)'
-	$(MAKE) check-licenses CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) licenses CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) extract CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) train CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) eval CONFIG=$(CONFIG) ARGS='$(ARGS)'
@@ -71,26 +71,29 @@ endif
 
 # Exits 0 with a "skipped" line when no CUDA device is visible.
 gpu-smoke: $(STAMP)
-	$(STAGE) pipeline.gpu_smoke --config $(CONFIG) $(ARGS)
+	$(STAGE) pipeline.tools.gpu_smoke --config $(CONFIG) $(ARGS)
 
 plan: $(STAMP)
-	$(STAGE) pipeline.plan --config $(CONFIG) $(ARGS)
+	$(STAGE) pipeline.tools.plan --config $(CONFIG) $(ARGS)
 
 # Ratios measured side by side in one run (client vs bare loop, shard writer vs dd, bytes per
 # token vs the formula), written to runs/<name>/bench/results.md. Needs the verifier stage.
 bench: $(STAMP)
 	$(MAKE) verifier CONFIG=$(CONFIG)
-	$(STAGE) pipeline.bench --config $(CONFIG) $(ARGS)
+	$(STAGE) pipeline.tools.bench --config $(CONFIG) $(ARGS)
 
 verifier: $(STAMP)
-	$(STAGE) pipeline.build_verifier --config $(CONFIG) $(ARGS)
+	$(STAGE) pipeline.verifier --config $(CONFIG) $(ARGS)
 
 generate: $(STAMP)
 	$(STAGE) pipeline.generate --config $(CONFIG) $(ARGS)
 
 # Every `source` in the generated data against release/licenses.yaml; fails before extraction.
-check-licenses: $(STAMP)
-	$(STAGE) release.check_licenses --config $(CONFIG) $(ARGS)
+licenses: $(STAMP)
+	$(STAGE) release.licenses --config $(CONFIG) $(ARGS)
+
+# The same target under the name earlier releases documented.
+check-licenses: licenses
 
 extract: $(STAMP)
 	$(STAGE) pipeline.extract --config $(CONFIG) $(ARGS)
@@ -100,10 +103,10 @@ train: $(STAMP)
 
 # BASE_URL=http://host:port measures a deployment that is already running, starting nothing.
 eval: $(STAMP)
-	$(STAGE) eval.measure_acceptance --config $(CONFIG) $(if $(BASE_URL),server.base_url=$(BASE_URL)) $(ARGS)
+	$(STAGE) eval --config $(CONFIG) $(if $(BASE_URL),server.base_url=$(BASE_URL)) $(ARGS)
 
 card: $(STAMP)
-	$(STAGE) model_card.render --config $(CONFIG) $(ARGS)
+	$(STAGE) model_card.card --config $(CONFIG) $(ARGS)
 
 # A dry run unless PUSH=1; hero-run ends with the dry run.
 publish: $(STAMP)

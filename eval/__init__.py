@@ -1,1 +1,120 @@
-"""Evaluation of drafters against their verifier in vLLM."""
+"""Stage `eval`: acceptance, speedup and losslessness of the drafter against its verifier, in vLLM.
+
+Run as: python -m eval --config configs/tiny.yaml   (make eval)
+   or:  make eval BASE_URL=http://host:8000   (a deployment someone already runs)
+
+Reads the `verifier`, `generate` (to prove the prompts are held out) and `train` stages and the
+evaluation prompts (``eval/prompts.py``). Serves the verifier once per arm on the same
+flags: without speculation (the paired baseline), then vLLM's ngram drafter and our EAGLE-3
+drafter at each k in ``eval.num_speculative_tokens``. Each arm sends the same greedy requests at
+each level of ``eval.concurrency``; at concurrency 1 it goes category by category. Acceptance
+comes from ``/metrics`` counter deltas around each batch (prometheus-client's parser), in
+vLLM's conventions: acceptance rate (with k), mean acceptance length 1 + accepted / drafts,
+per-position acceptance; then output tokens/s, time per output token and speedup against the
+baseline at the same concurrency.
+
+Writes ``<run>/eval/results.json`` (every arm and level, per category, losslessness, the
+headline: the EAGLE-3 k with the best batch-size-1 speedup; the prompts skipped as too long for
+the context), ``results.md``, three PNG plots, ``outputs.json`` (every response, with its token
+ids), ``lm-eval/<arm>.json`` (lm-eval's scores and each document's response, with and without
+the drafter) and ``manifest.json``.
+
+Invariants (each a refusal or an error naming what to check, never a silent number):
+- a prompt longer than ``server.max_model_len - eval.max_tokens`` tokens (the verifier's
+  tokenizer and chat template) is skipped before any server starts and named, with its
+  category and token count, in ``results.json`` and ``results.md``;
+- the drafter's recorded verifier, capture-layer ids and chat-template hash are those served;
+- an EAGLE-3 arm with no draft step, or 0 accepted tokens (acceptance length exactly 1.0);
+- greedy outputs with each drafter are compared token by token with the baseline's, and
+  lm-eval's scores with and without the drafter must match (``eval/lossless_lm_eval.py``);
+  differences are reported by prompt or document id.
+
+This module is the stage's story (:func:`run`); the steps live in ``eval.measure`` (servers and
+requests), ``eval.guards`` (the invariants above), ``eval.summary`` (speedups, headline) and
+``eval.report`` (the files).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eval.arms import Arm, planned_arms
+from eval.guards import check_drafter_matches, compare_with_baseline, skip_too_long
+from eval.measure import measure_arms, take_outputs
+from eval.prompts import check_held_out, eval_data_revision, load_eval_prompts
+from eval.report import write_results
+from eval.summary import build_results, headline
+from pipeline.core.config import Profile
+from pipeline.core.contracts import EvalOutputs
+from pipeline.core.drafter import drafter_digest
+from pipeline.core.manifest import now, read_input, stage_dir, write_manifest
+
+
+def run(profile: Profile) -> dict[str, Any]:
+    started = now()
+    folder = stage_dir(profile, "eval")
+    folder.mkdir(parents=True, exist_ok=True)
+    train = read_input(profile, "eval", "train").outputs
+    generate = read_input(profile, "eval", "generate").outputs
+    prompts = load_eval_prompts(profile)
+    check_held_out(prompts, stage_dir(profile, "generate") / generate.responses)
+    verifier_outputs = read_input(profile, "eval", "verifier").outputs
+    verifier = verifier_outputs.model
+    deployed = profile.server.base_url is not None
+    if deployed:
+        arms = [Arm("served")]  # measured as it runs: no paired baseline, nothing started
+    else:
+        check_drafter_matches(verifier_outputs, train)
+        arms = planned_arms(profile)
+    # Before any server starts: a prompt vLLM would refuse for its length is skipped and named.
+    asked = len(prompts)
+    prompts, skipped = skip_too_long(prompts, verifier, profile)
+    runs, lm_scores = measure_arms(
+        profile,
+        arms,
+        prompts,
+        verifier=verifier,
+        drafter=train.drafter,
+        folder=folder,
+        deployed=deployed,
+    )
+    compare_with_baseline(runs)
+    summary = headline(runs)
+    outputs = take_outputs(runs)
+    results = build_results(
+        profile,
+        runs,
+        summary,
+        prompts=prompts,
+        skipped=skipped,
+        lm_scores=lm_scores,
+        drafter=train.drafter,
+        verifier=verifier,
+    )
+    write_results(profile, folder, results, outputs, deployed=deployed)
+    return write_manifest(
+        profile,
+        "eval",
+        started_at=started,
+        counts={
+            "input": asked,
+            "succeeded": len(prompts),
+            "skipped": skipped["count"],
+            "failed": 0,
+            "skip_reasons": {"prompt_too_long": skipped["count"]} if skipped["count"] else {},
+        },
+        outputs=EvalOutputs(
+            results="results.json",
+            summary=summary,
+            # What was measured; None for a deployment, which card and publish refuse.
+            drafter_sha256=None if deployed else drafter_digest(Path(train.drafter)),
+        ),
+        data_revision=eval_data_revision(profile),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pipeline.core.cli import run_stage
+
+    run_stage("eval", run, argv)

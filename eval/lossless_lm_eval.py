@@ -20,10 +20,10 @@ from typing import Any
 
 import yaml
 
-from pipeline.atomic_files import atomic_write_bytes
-from pipeline.config import Profile
-from pipeline.prompts import load_prompts
-from pipeline.vllm_server import Endpoint
+from pipeline.core.atomic_files import atomic_write_bytes
+from pipeline.core.config import Profile
+from pipeline.core.prompts import load_prompts
+from pipeline.serving.vllm_api import Endpoint
 
 DEFAULT_TASK = "eval_reference_continuation"
 TARGET_WORDS = 12

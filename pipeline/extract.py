@@ -25,7 +25,7 @@ Invariants:
 - hidden-state bytes written equal tokens x layers x hidden size x element bytes (checked);
   shards of one format are never added to shards of another;
 - every shard is written atomically (temporary file, fsync, rename) by the connector in
-  ``pipeline/hidden_states_connector.py``, which writes no shard that would leave less than
+  ``pipeline/serving/hidden_states_connector.py``, which writes no shard that would leave less than
   ``extract.disk_reserve_gib`` free; a crash or a full disk leaves no short shard under a real
   name, and the stage then fails naming the space to free;
 - before anything is written, free space is checked against the whole estimate plus the reserve;
@@ -38,103 +38,48 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
-from pipeline.atomic_files import atomic_write_bytes, free_bytes, remove_temporaries
-from pipeline.build_verifier import resolved_verifier
-from pipeline.chat_client import ServerRejectedError
-from pipeline.config import Profile
-from pipeline.errors import PipelineError
-from pipeline.logged_process import run_logged
-from pipeline.manifest import now, read_manifest, stage_dir, write_manifest
-from pipeline.progress import watch
-from pipeline.vllm_server import Endpoint, vllm_server
+from pipeline.core.atomic_files import atomic_write_bytes, free_bytes, remove_temporaries
+from pipeline.core.config import Profile
+from pipeline.core.contracts import ExtractOutputs
+from pipeline.core.errors import PipelineError
+from pipeline.core.manifest import now, read_input, stage_dir, write_manifest
+from pipeline.core.progress import watch
+from pipeline.core.responses import read_responses
+from pipeline.core.server_errors import ServerRejectedError
+from pipeline.serving.extraction import (
+    bytes_per_token,
+    captured_layer_ids,
+    clear_staging,
+    reserve_bytes,
+    server_flags,
+    stored_dtype,
+)
+from pipeline.serving.logged_process import run_logged
+from pipeline.serving.vllm_api import Endpoint
+from pipeline.serving.vllm_server import vllm_server
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
-CONNECTOR_MODULE = "pipeline.hidden_states_connector"
 
 
 class ExtractError(PipelineError):
     """Hidden-state extraction cannot proceed; the message says why and what to do."""
 
 
-def captured_layer_ids(profile: Profile) -> list[int]:
-    """EAGLE-3 aux layers plus the last layer's output, before the final norm."""
-    return [*profile.verifier.capture_layer_ids, profile.verifier.num_hidden_layers]
-
-
-def element_bytes(profile: Profile) -> int:
-    """Bytes per stored hidden-state value: 1 for fp8, else the verifier dtype's."""
-    if profile.extract.hidden_states_format == "fp8":
-        return 1
-    return DTYPE_BYTES[profile.verifier.dtype]
-
-
-def stored_dtype(profile: Profile) -> str:
-    return (
-        "float8_e4m3fn" if profile.extract.hidden_states_format == "fp8" else profile.verifier.dtype
-    )
-
-
-def bytes_per_token(profile: Profile, dtype_bytes: int | None = None) -> int:
-    """Hidden-state bytes one token costs: captured layers x hidden size x element bytes.
-
-    fp8 shards also hold one float32 scale (4 bytes) per token, and every shard holds
-    8 bytes of token id per token; neither is a hidden state, so neither is counted here.
-    """
-    width = dtype_bytes or element_bytes(profile)
-    return len(captured_layer_ids(profile)) * profile.verifier.hidden_size * width
-
-
-def reserve_bytes(profile: Profile) -> int:
-    return int(profile.extract.disk_reserve_gib * 2**30)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def server_flags(profile: Profile, staging: Path) -> dict[str, Any]:
-    """The speculative and KV-transfer configs that turn vLLM into a hidden-state extractor."""
-    name = "ReservedHiddenStatesConnector" if _cuda_available() else "CpuHiddenStatesConnector"
-    kv = {
-        "kv_connector": name,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {
-            "shared_storage_path": str(staging),
-            "disk_reserve_bytes": reserve_bytes(profile),
-            "hidden_states_format": profile.extract.hidden_states_format,
-        },
-    }
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {
-            "hf_config": {"eagle_aux_hidden_state_layer_ids": captured_layer_ids(profile)}
-        },
-    }
-    return {"speculative_config": spec, "kv_transfer_config": kv}
-
-
-def write_conversations(generate_dir: Path, responses: str, out: Path) -> dict[str, int]:
+def write_conversations(responses: Path, out: Path) -> dict[str, int]:
     """The kept conversations, in the schema prepare-data reads; returns their counts."""
     lines = []
     turns = 0
-    for line in (generate_dir / responses).read_text().splitlines():
-        record = json.loads(line)
-        if record["skip_reason"]:
+    for record in read_responses(responses):
+        if record.skip_reason:
             continue
-        lines.append(json.dumps({"id": record["id"], "conversations": record["conversations"]}))
-        turns += sum(t["from"] == "gpt" for t in record["conversations"])
+        lines.append(json.dumps({"id": record.id, "conversations": record.conversations}))
+        turns += len(record.turns("gpt"))
     atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())
     return {"conversations": len(lines), "assistant_turns": turns}
 
@@ -225,13 +170,6 @@ def count_shards(hs_dir: Path) -> int:
     return sum(1 for _ in hs_dir.glob("hs_*.safetensors")) if hs_dir.exists() else 0
 
 
-def clear_staging(staging: Path) -> None:
-    """Drop what a killed server left in staging; only finished shards in the dataset count."""
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-
-
 def store_hidden_states(
     profile: Profile, endpoint: Endpoint, folder: Path, stats: dict[str, int], expected: int
 ) -> dict[str, int]:
@@ -278,46 +216,70 @@ def store_hidden_states(
     return written
 
 
+def prepare_data(
+    profile: Profile, model: str, conversations: Path, folder: Path, server: str
+) -> None:
+    """speculators' tokenisation (through the server's chat-template render endpoint) into
+    ``prepared/``; a finished one is kept."""
+    prepared = folder / "prepared"
+    if (prepared / "dataset_info.json").exists():
+        return
+    speculators_cli(
+        "prepare-data",
+        "--model", model,
+        "--data", str(conversations),
+        "--output", str(prepared),
+        "--render-endpoint", server,
+        "--seq-length", str(profile.extract.max_seq_len),
+        "--seed", str(profile.run.seed),
+        "--num-preprocessing-workers", "1",
+        "--no-skip-token-freq",
+        *(["--trust-remote-code"] if profile.verifier.trust_remote_code else []),
+        log_path=folder / "prepare-data.log",
+        server=server,
+    )  # fmt: skip
+
+
+def extract_counts(kept: dict[str, int], stats: dict[str, int]) -> dict[str, Any]:
+    """In assistant turns: prepare-data makes one row per assistant turn, and skips a turn
+    whose context alone fills extract.max_seq_len."""
+    skipped = kept["assistant_turns"] - stats["rows"]
+    return {
+        "input": kept["assistant_turns"],
+        "succeeded": stats["rows"],
+        "skipped": skipped,
+        "failed": 0,
+        "skip_reasons": {"context_fills_max_seq_len": skipped} if skipped else {},
+        "conversations": kept["conversations"],
+        "truncated_to_max_seq_len": stats["truncated"],
+    }
+
+
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
-    verifier = resolved_verifier(profile)
-    generate = read_manifest(profile, "generate")
+    verifier = read_input(profile, "extract", "verifier").outputs
+    generate = read_input(profile, "extract", "generate")
     folder = stage_dir(profile, "extract")
     folder.mkdir(parents=True, exist_ok=True)
     conversations = folder / "conversations.jsonl"
     kept = write_conversations(
-        stage_dir(profile, "generate"), generate["outputs"]["responses"], conversations
+        stage_dir(profile, "generate") / generate.outputs.responses, conversations
     )
     if kept["conversations"] == 0:
         raise ExtractError("generate kept no conversation; nothing to extract (see its manifest)")
     prepared = folder / "prepared"
     hs_dir = prepared / "hidden_states"
-    layer_ids = captured_layer_ids(profile)
     clear_staging(folder / "staging")
     if hs_dir.exists():
         remove_temporaries(hs_dir)
     with vllm_server(
         profile,
-        verifier["model"],
+        verifier.model,
         folder / "vllm.log",
         extra_args=["--enable-scale-out"],  # serves the chat-template render endpoint
         **server_flags(profile, folder / "staging"),
     ) as endpoint:
-        if not (prepared / "dataset_info.json").exists():
-            speculators_cli(
-                "prepare-data",
-                "--model", verifier["model"],
-                "--data", str(conversations),
-                "--output", str(prepared),
-                "--render-endpoint", endpoint.base_url,
-                "--seq-length", str(profile.extract.max_seq_len),
-                "--seed", str(profile.run.seed),
-                "--num-preprocessing-workers", "1",
-                "--no-skip-token-freq",
-                *(["--trust-remote-code"] if profile.verifier.trust_remote_code else []),
-                log_path=folder / "prepare-data.log",
-                server=endpoint.base_url,
-            )  # fmt: skip
+        prepare_data(profile, verifier.model, conversations, folder, endpoint.base_url)
         stats = prepared_stats(prepared, profile.extract.max_seq_len)
         expected = stats["tokens"] * bytes_per_token(profile)
         if profile.extract.mode == "online":
@@ -327,43 +289,30 @@ def run(profile: Profile) -> dict[str, Any]:
             expected = written["hidden_state_bytes"]
         else:
             written = store_hidden_states(profile, endpoint, folder, stats, expected)
-    outputs = {
-        "mode": profile.extract.mode,
-        "prepared": "prepared",
-        "hidden_states": "prepared/hidden_states",
-        "token_freq": "prepared/token_freq.pt",
-        "captured_layer_ids": layer_ids,
-        "hidden_size": profile.verifier.hidden_size,
-        "dtype": stored_dtype(profile),
-        "bytes_per_token": bytes_per_token(profile),
-        **stats,
-        **written,
-        "expected_hidden_state_bytes": expected,
-    }
-    # prepare-data makes one row per assistant turn, and skips a turn whose context alone
-    # fills extract.max_seq_len.
-    skipped = kept["assistant_turns"] - stats["rows"]
+    outputs = ExtractOutputs(
+        mode=profile.extract.mode,
+        prepared="prepared",
+        hidden_states="prepared/hidden_states",
+        token_freq="prepared/token_freq.pt",
+        captured_layer_ids=captured_layer_ids(profile),
+        hidden_size=profile.verifier.hidden_size,
+        dtype=stored_dtype(profile),
+        bytes_per_token=bytes_per_token(profile),
+        **{**stats, **written},
+        expected_hidden_state_bytes=expected,
+    )
     return write_manifest(
         profile,
         "extract",
         started_at=started,
-        counts={
-            "input": kept["assistant_turns"],
-            "succeeded": stats["rows"],
-            "skipped": skipped,
-            "failed": 0,
-            "skip_reasons": {"context_fills_max_seq_len": skipped} if skipped else {},
-            "conversations": kept["conversations"],
-            "truncated_to_max_seq_len": stats["truncated"],
-        },
+        counts=extract_counts(kept, stats),
         outputs=outputs,
-        inputs=("verifier", "generate"),
-        data_revision=generate["data_revision"],
+        data_revision=generate.data_revision,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.cli import run_stage
+    from pipeline.core.cli import run_stage
 
     run_stage("extract", run, argv)
 

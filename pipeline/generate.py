@@ -27,7 +27,7 @@ Invariants:
   over-long prompt's megabyte stays out of ``responses.jsonl``); every skipped row, malformed
   input lines included, is listed in ``skipped.jsonl`` with its place in the input (file and
   1-based line number) and reason, rewritten atomically from the records on every run;
-- ``data.max_samples`` is a seeded sample stratified by source (pipeline.prompts); the manifest
+- ``data.max_samples`` is a seeded sample stratified by source (pipeline.core.prompts); the manifest
   records it under ``outputs.sampling``; ``responses.jsonl`` holds the current selection only:
   finished records of other prompts are kept in ``responses.unselected.jsonl`` and come back
   when a later selection includes them (a pilot's work is reused by the full run);
@@ -45,21 +45,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic_files import atomic_write_bytes
-from pipeline.build_verifier import resolved_verifier
-from pipeline.chat_client import (
-    REQUEST_ERRORS,
-    ChatClient,
+from pipeline.core.atomic_files import atomic_write_bytes
+from pipeline.core.config import Profile
+from pipeline.core.contracts import GenerateOutputs
+from pipeline.core.errors import PipelineError
+from pipeline.core.manifest import now, read_input, stage_dir, write_manifest
+from pipeline.core.progress import progress
+from pipeline.core.prompts import PromptRow, PromptSet, data_revision, load_prompt_set
+from pipeline.core.responses import ResponseRecord, complete_records, read_responses
+from pipeline.core.server_errors import (
     ServerRejectedError,
     context_length_exceeded,
     server_error,
 )
-from pipeline.config import Profile
-from pipeline.errors import PipelineError
-from pipeline.manifest import now, stage_dir, write_manifest
-from pipeline.progress import progress
-from pipeline.prompts import PromptRow, PromptSet, data_revision, load_prompt_set
-from pipeline.vllm_server import Endpoint, attach, vllm_server
+from pipeline.serving.chat_client import REQUEST_ERRORS, ChatClient
+from pipeline.serving.vllm_api import Endpoint, attach
+from pipeline.serving.vllm_server import vllm_server
 
 log = logging.getLogger(__name__)
 RESPONSES = "responses.jsonl"
@@ -75,24 +76,9 @@ SKIP_DETAIL = {
 }
 
 
-def complete_records(path: Path) -> list[bytes]:
-    """The file's record lines; a torn (partial) last line from a crash is cut off first."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        log.warning("dropping a torn last record in %s (%d bytes)", path, len(data) - cut)
-        with open(path, "r+b") as fh:
-            fh.truncate(cut)
-            os.fsync(fh.fileno())
-        data = data[:cut]
-    return [line for line in data.splitlines() if line.strip()]
-
-
 def finished_ids(path: Path) -> set[str]:
     """Ids already written (a torn last line cut off first)."""
-    return {json.loads(line)["id"] for line in complete_records(path)}
+    return {record.id for record in read_responses(path)}
 
 
 def select_records(folder: Path, wanted: set[str]) -> set[str]:
@@ -304,10 +290,6 @@ def generation_endpoints(profile: Profile, model: str, log_path: Path) -> Iterat
         yield [endpoint]
 
 
-def read_responses(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def load_input(profile: Profile) -> PromptSet:
     d = profile.data
     prompts = load_prompt_set(
@@ -323,29 +305,29 @@ def load_input(profile: Profile) -> PromptSet:
     return prompts
 
 
-def write_skipped(path: Path, prompts: PromptSet, records: list[dict[str, Any]]) -> None:
+def write_skipped(path: Path, prompts: PromptSet, records: list[ResponseRecord]) -> None:
     """Every skipped row, its place in the input and why, one JSON line each."""
     where = {r.id: r.where for r in prompts.rows}
     lines = [bad.record() for bad in prompts.rejected]
     lines += [
         {
-            "where": where[r["id"]],
-            "reason": r["skip_reason"],
-            "detail": SKIP_DETAIL.get(r["skip_reason"], r["skip_reason"]),
-            "id": r["id"],
-            "source": r["source"],
+            "where": where[r.id],
+            "reason": r.skip_reason,
+            "detail": SKIP_DETAIL.get(r.skip_reason, r.skip_reason),
+            "id": r.id,
+            "source": r.source,
         }
         for r in records
-        if r["skip_reason"]
+        if r.skip_reason
     ]
     atomic_write_bytes(
         path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
     )
 
 
-def count_records(prompts: PromptSet, records: list[dict[str, Any]]) -> dict[str, Any]:
-    kept = [r for r in records if not r["skip_reason"]]
-    reasons = [r["skip_reason"] for r in records if r["skip_reason"]]
+def count_records(prompts: PromptSet, records: list[ResponseRecord]) -> dict[str, Any]:
+    kept = [r for r in records if not r.skip_reason]
+    reasons = [r.skip_reason for r in records if r.skip_reason]
     reasons += [bad.reason for bad in prompts.rejected]
     return {
         "input": len(prompts.rows) + len(prompts.rejected),
@@ -353,18 +335,16 @@ def count_records(prompts: PromptSet, records: list[dict[str, Any]]) -> dict[str
         "skipped": len(reasons),
         "failed": len(prompts.rows) - len(records),
         "skip_reasons": {why: reasons.count(why) for why in sorted(set(reasons))},
-        "truncated": sum("length" in r["finish_reasons"] for r in kept),
-        "with_reasoning": sum(
-            any("reasoning_content" in t for t in r["conversations"]) for r in kept
-        ),
-        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in kept),
-        "completion_tokens": sum(r["usage"]["completion_tokens"] for r in kept),
+        "truncated": sum("length" in r.finish_reasons for r in kept),
+        "with_reasoning": sum(any("reasoning_content" in t for t in r.conversations) for r in kept),
+        "prompt_tokens": sum(r.usage["prompt_tokens"] for r in kept),
+        "completion_tokens": sum(r.usage["completion_tokens"] for r in kept),
     }
 
 
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
-    verifier = resolved_verifier(profile)
+    verifier = read_input(profile, "generate", "verifier").outputs
     folder = stage_dir(profile, "generate")
     folder.mkdir(parents=True, exist_ok=True)
     prompts = load_input(profile)
@@ -383,12 +363,12 @@ def run(profile: Profile) -> dict[str, Any]:
     if todo:
         writer = ResponseWriter(out)
         try:
-            with generation_endpoints(profile, verifier["model"], folder / "vllm.log") as eps:
+            with generation_endpoints(profile, verifier.model, folder / "vllm.log") as eps:
                 replicas, last_error = asyncio.run(regenerate_all(profile, eps, todo, writer))
         finally:
             writer.close()
     # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
-    records = read_responses(out) if out.exists() else []
+    records = list(read_responses(out))
     write_skipped(folder / SKIPPED, prompts, records)
     counts = count_records(prompts, records)
     if counts["failed"]:
@@ -406,19 +386,18 @@ def run(profile: Profile) -> dict[str, Any]:
         "generate",
         started_at=started,
         counts=counts,
-        outputs={
-            "responses": RESPONSES,
-            "skipped": SKIPPED,
-            "sampling": prompts.sampling.record(),
-            "replicas": replicas,  # this run's share of each
-        },
-        inputs=("verifier",),
+        outputs=GenerateOutputs(
+            responses=RESPONSES,
+            skipped=SKIPPED,
+            sampling=prompts.sampling.record(),
+            replicas=replicas,  # this run's share of each
+        ),
         data_revision=data_revision(d.dataset, d.revision),
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.cli import run_stage
+    from pipeline.core.cli import run_stage
 
     run_stage("generate", run, argv)
 

@@ -24,7 +24,7 @@ Invariants:
 - files go up through git-LFS, not Xet: huggingface_hub's Xet path splits a large folder into
   several commits, and the LFS path is the one the tests run against the local Hub;
 - the release names no path of the machine that built it: JSON files (manifests, eval results,
-  the license report) go through pipeline.manifest.portable, and a release in which any file
+  the license report) go through pipeline.core.manifest.portable, and a release in which any file
   still holds the run folder, the checkout, the virtual environment or the home folder is
   refused, naming the file;
 - the release folder is rebuilt beside the old one and swapped in, never left half-written.
@@ -46,26 +46,23 @@ from huggingface_hub import HfApi, get_token, hf_hub_download
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError
 
-from model_card.render import drafter_repo_id
-from pipeline.config import Profile
-from pipeline.errors import PipelineError
-from pipeline.manifest import (
-    DRAFTER_FILES,
-    REPO_ROOT,
-    STAGES,
+from pipeline.core.atomic_files import atomic_write_json, sha256_file
+from pipeline.core.config import Profile
+from pipeline.core.contracts import STAGES, PublishOutputs
+from pipeline.core.drafter import DRAFTER_FILES, drafter_digest
+from pipeline.core.errors import PipelineError
+from pipeline.core.manifest import (
     StageInputError,
     all_succeeded,
-    atomic_write_json,
-    drafter_digest,
+    manifest_path,
     now,
-    portable,
-    portable_text,
-    read_manifest,
-    sha256_file,
+    passed_license_report,
+    read_input,
     stage_dir,
     write_manifest,
 )
-from release.check_licenses import read_passed_check
+from pipeline.core.model_names import drafter_repo_id
+from pipeline.core.portable import REPO_ROOT, portable, portable_text
 
 RELEASE = "release"
 # Stages whose manifests ship in the release, as manifests/<stage>.json.
@@ -85,37 +82,49 @@ def short(digest: dict[str, str] | None) -> str:
 
 
 def verified_inputs(profile: Profile) -> dict[str, Any]:
-    """Every precondition of a release, checked; what assembling it needs."""
-    licenses = read_passed_check(profile)
-    train = read_manifest(profile, "train")
-    drafter = Path(train["outputs"]["drafter"])
+    """Every precondition of a release, checked; what assembling it needs. Staleness (an eval
+    of another checkpoint, a card of another eval, a license check of other data) is the
+    contracts' one check; what is left is that the files shipped are the files trained."""
+    licenses = passed_license_report(profile, "publish")
+    train = read_input(profile, "publish", "train")
+    drafter = Path(train.outputs.drafter)
     shipped = drafter_digest(drafter)
+    if shipped != train.outputs.drafter_sha256:
+        raise PublishError(
+            f"the drafter checkpoint {drafter} changed since training: it is "
+            f"{short(shipped)}, train recorded {short(train.outputs.drafter_sha256)}; rerun "
+            "`make train`, `make eval` and `make card`"
+        )
     try:
-        evaluated = read_manifest(profile, "eval")["outputs"].get("drafter_sha256")
-    except StageInputError:
+        evaluated = read_input(profile, "publish", "eval").outputs.drafter_sha256
+    except StageInputError as err:
+        if manifest_path(profile, "eval").exists():
+            raise
         raise PublishError(
             f"no eval results for run {profile.run.name!r}: run `make eval` (then `make card`) "
             "before publishing; a drafter is not released unmeasured"
-        ) from None
+        ) from err
     if evaluated != shipped:
         raise PublishError(
             f"the eval results belong to drafter checkpoint {short(evaluated)}, but the drafter "
             f"to publish ({drafter}) is {short(shipped)}: rerun `make eval` and `make card`"
         )
-    card = read_manifest(profile, "card")["outputs"]
-    if card["drafter_sha256"] != shipped:
+    card = read_input(profile, "publish", "card").outputs
+    if card.repo_id != drafter_repo_id(profile):
         raise PublishError(
-            f"the model card describes drafter checkpoint {short(card['drafter_sha256'])}, not "
-            f"{short(shipped)}: rerun `make card`"
-        )
-    if card["repo_id"] != drafter_repo_id(profile):
-        raise PublishError(
-            f"the model card was rendered for {card['repo_id']}, not {drafter_repo_id(profile)}: "
+            f"the model card was rendered for {card.repo_id}, not {drafter_repo_id(profile)}: "
             "rerun `make card` with the same release.repo_id"
         )
-    if card["license"] != licenses["drafter_license"]:
+    if card.license != licenses["drafter_license"]:
         raise PublishError("the card's license is not the license check's: rerun `make card`")
-    return {"licenses": licenses, "drafter": drafter, "drafter_sha256": shipped, "card": card}
+    return {
+        "licenses": licenses,
+        "drafter": drafter,
+        "drafter_sha256": shipped,
+        "card": card,
+        "git_sha": train.git["sha"] or "unknown",
+        "data_revision": read_input(profile, "publish", "generate").data_revision,
+    }
 
 
 def license_text(profile: Profile, licenses: dict[str, Any]) -> bytes:
@@ -166,8 +175,8 @@ def assemble(profile: Profile, inputs: dict[str, Any]) -> Path:
     for name in DRAFTER_FILES:
         _place(inputs["drafter"] / name, building / name)
     card_dir = stage_dir(profile, "card")
-    shutil.copy2(card_dir / inputs["card"]["card"], building / "README.md")
-    for plot in inputs["card"]["plots"]:
+    shutil.copy2(card_dir / inputs["card"].card, building / "README.md")
+    for plot in inputs["card"].plots:
         shutil.copy2(card_dir / plot, building / plot)
     (building / "LICENSE").write_bytes(license_text(profile, inputs["licenses"]))
     (building / "eval").mkdir()
@@ -210,9 +219,9 @@ def published_text(path: Path) -> str:
 def written_by(name: str) -> str:
     """The make target that writes a released file: what to rerun when it names a machine path."""
     if name.startswith("manifests/"):
-        return {"licenses": "check-licenses"}.get(Path(name).stem, Path(name).stem)
+        return Path(name).stem  # each stage's folder is named as its target
     if name == "data_licenses.json" or name == "LICENSE":
-        return "check-licenses"
+        return "licenses"
     return "eval" if name.startswith("eval/") or name.endswith(".png") else "publish"
 
 
@@ -366,7 +375,7 @@ def run(profile: Profile, push_to_hub: bool = False) -> dict[str, Any]:
     inputs = verified_inputs(profile)
     release = assemble(profile, inputs)
     local = local_files(release)
-    git_sha = read_manifest(profile, "train")["git"]["sha"] or "unknown"
+    git_sha = inputs["git_sha"]
     target = profile.release.repo_id or "(release.repo_id not set)"
     print(
         f"release folder {release} -> {target} (revision {profile.release.revision}, "
@@ -395,16 +404,16 @@ def run(profile: Profile, push_to_hub: bool = False) -> dict[str, Any]:
         "publish",
         started_at=started,
         counts=all_succeeded(len(local)),
-        outputs={
+        outputs=PublishOutputs(
             **outcome,
-            "release": RELEASE,
-            "repo_id": profile.release.repo_id,
-            "revision": profile.release.revision,
-            "private": profile.release.private,
-            "files": local,
-            "drafter_sha256": inputs["drafter_sha256"],
-            "license": licenses["drafter_license"],
-            "data": [
+            release=RELEASE,
+            repo_id=profile.release.repo_id,
+            revision=profile.release.revision,
+            private=profile.release.private,
+            files=local,
+            drafter_sha256=inputs["drafter_sha256"],
+            license=licenses["drafter_license"],
+            data=[
                 {
                     k: s[k]
                     for k in (
@@ -418,15 +427,14 @@ def run(profile: Profile, push_to_hub: bool = False) -> dict[str, Any]:
                 }
                 for s in licenses["sources"]
             ],
-        },
-        inputs=("licenses", "train", "eval", "card"),
-        data_revision=read_manifest(profile, "generate")["data_revision"],
+        ),
+        data_revision=inputs["data_revision"],
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.cli import report, stage_parser
-    from pipeline.config import load_profile
+    from pipeline.core.cli import report, stage_parser
+    from pipeline.core.config import load_profile
 
     parser = stage_parser("publish")
     parser.add_argument(

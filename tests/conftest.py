@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_profile
+from pipeline.core.config import load_profile
 from tests.helpers import TEST_OVERRIDES
 
 REPO = Path(__file__).parent.parent

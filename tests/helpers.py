@@ -11,13 +11,16 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
 
 import psutil
 import pytest
 from aiohttp import web
 
-from pipeline.config import Profile
-from pipeline.vllm_server import LOOPBACK, free_port
+from pipeline.core.config import Profile
+from pipeline.core.contracts import CONTRACTS, Manifest, Outputs
+from pipeline.core.manifest import read_manifest
+from pipeline.serving.vllm_api import LOOPBACK, free_port
 
 REPO = Path(__file__).parent.parent
 
@@ -114,3 +117,48 @@ def alive_after(procs: list[psutil.Process], seconds: float) -> list[psutil.Proc
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
+
+
+def verifier_model(profile: Profile) -> str:
+    """The model folder (or Hub id) the finished verifier stage recorded."""
+    return read_manifest(profile, "verifier")["outputs"]["model"]
+
+
+def stand_in_outputs(stage: str, **outputs: Any) -> Outputs:
+    """``stage``'s outputs as its contract types them, unchecked: ``outputs`` over neutral
+    values of every other required field (for a test that does not run the stage)."""
+    model = CONTRACTS[stage].outputs
+
+    def neutral_value(annotation: Any) -> Any:
+        if get_origin(annotation) is Literal:
+            return get_args(annotation)[0]
+        by_type = {int: 0, str: "", bool: False, float: 0.0, list: [], dict: {}}
+        return by_type.get(get_origin(annotation) or annotation)
+
+    neutral = {
+        name: neutral_value(field.annotation)
+        for name, field in model.model_fields.items()
+        if field.is_required()
+    }
+    return model.model_construct(**{**neutral, **outputs})
+
+
+def stand_in_manifest(
+    profile: Profile,
+    stage: str,
+    *,
+    counts: dict[str, Any] | None = None,
+    data_revision: dict[str, Any] | None = None,
+    wall_time_s: float = 0.0,
+    **outputs: Any,
+) -> None:
+    """A finished ``stage`` as its contract describes it, for a test that does not run it."""
+    manifest = Manifest[CONTRACTS[stage].outputs](
+        stage=stage, run=profile.run.name, started_at="", finished_at="",
+        wall_time_s=wall_time_s, git={}, packages={}, hardware={}, inputs={},
+        data_revision=data_revision or {}, counts=counts or {}, bytes=0,
+        outputs=stand_in_outputs(stage, **outputs), config=profile.dump(),
+    )  # fmt: skip
+    path = profile.run.run_dir / stage / "manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(manifest.model_dump_json())

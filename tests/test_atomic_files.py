@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from pipeline.atomic_files import ReserveExceededError, atomic_write_bytes, remove_temporaries
+from pipeline.core.atomic_files import ReserveExceededError, atomic_write_bytes, remove_temporaries
 from tests.helpers import small_volume
 
 pytestmark = pytest.mark.unit

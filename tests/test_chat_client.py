@@ -12,14 +12,14 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pipeline.chat_client import (
-    ChatClient,
+from pipeline.core.errors import PipelineError
+from pipeline.core.server_errors import (
     ServerRejectedError,
     ServerUnreachableError,
     server_error,
 )
-from pipeline.errors import PipelineError
-from pipeline.vllm_server import LOOPBACK, free_port
+from pipeline.serving.chat_client import ChatClient
+from pipeline.serving.vllm_api import LOOPBACK, free_port
 from tests.helpers import serving
 
 pytestmark = pytest.mark.unit

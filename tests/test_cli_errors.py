@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pipeline.chat_client import ServerRejectedError
-from pipeline.cli import report
-from pipeline.errors import PipelineError
+from pipeline.core.cli import report
+from pipeline.core.errors import PipelineError
+from pipeline.core.server_errors import ServerRejectedError
 
 pytestmark = pytest.mark.unit
 

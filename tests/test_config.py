@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_profile
+from pipeline.core.config import ConfigError, load_profile
 
 pytestmark = pytest.mark.unit
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -36,7 +36,7 @@ def test_kimi_profile_is_the_hero_run():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_profile_has_its_verifier_and_data_in_the_license_manifest(path):
-    from release.check_licenses import load_license_manifest, verifier_key
+    from release.licenses import load_license_manifest, verifier_key
 
     profile = load_profile(path)
     manifest = load_license_manifest(profile.release.licenses_file)

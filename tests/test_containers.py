@@ -18,8 +18,9 @@ from pathlib import Path
 import compose
 import pytest
 
-from pipeline.config import load_profile
-from pipeline.vllm_server import server_command
+from pipeline.core.config import load_profile
+from pipeline.serving.vllm_api import server_command
+from tests.helpers import stand_in_manifest
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).parent.parent
@@ -109,10 +110,10 @@ def test_compose_validates_and_the_pipeline_runs_the_projects_hero_run():
 
 
 def served_command(service: dict, tmp_path: Path) -> list[str]:
-    """What the service's `python3 -m pipeline.serve ...` runs, asked of the real module."""
-    assert service["entrypoint"] == ["python3", "-m", "pipeline.serve"]
+    """What the service's `python3 -m pipeline.tools.serve ...` runs, asked of the real module."""
+    assert service["entrypoint"] == ["python3", "-m", "pipeline.tools.serve"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.serve", *service["command"], "--print",
+        [sys.executable, "-m", "pipeline.tools.serve", *service["command"], "--print",
          f"run.output_dir={tmp_path}"],
         cwd=REPO,
         capture_output=True,
@@ -130,9 +131,10 @@ def test_the_serve_profile_services_run_the_stages_server_command_with_a_long_he
     services = compose_config("--profile", "serve")["services"]
     profile = load_profile(REPO / "configs" / "kimi-k2.5.yaml", [f"run.output_dir={tmp_path}"])
     drafter = "/data/runs/kimi-k2.5-eagle3/train/checkpoints/best"
-    train = profile.run.run_dir / "train"
-    train.mkdir(parents=True)
-    (train / "manifest.json").write_text(json.dumps({"outputs": {"drafter": drafter}}))
+    stand_in_manifest(
+        profile, "train", drafter=drafter, drafter_sha256={}, command=[], hidden_states={},
+        verifier={}, device="cpu",
+    )  # fmt: skip
     for name, port, spec in [
         ("verifier", 8000, None),
         ("eval", 8001, {"method": "eagle3", "model": drafter, "num_speculative_tokens": 5}),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.eval_prompts import (
+from eval.prompts import (
     EvalPromptError,
     check_held_out,
     fit_to_context,
@@ -16,7 +16,7 @@ from eval.eval_prompts import (
     prompt_token_counts,
     read_question_file,
 )
-from pipeline.config import ConfigError, load_profile
+from pipeline.core.config import ConfigError, load_profile
 
 pytestmark = pytest.mark.unit
 TINY = "configs/tiny.yaml"
@@ -70,14 +70,19 @@ def test_a_malformed_question_line_is_named(tmp_path, line, message):
     assert f"{path}:5" in str(info.value)
 
 
+def record(id_: str, conversations: list[dict]) -> str:
+    """One line of generate's responses.jsonl."""
+    return json.dumps({"id": id_, "source": "s", "conversations": conversations}) + "\n"
+
+
 def test_training_prompts_are_refused_as_evaluation_prompts(tmp_path):
     prompts = load_eval_prompts(load_profile(TINY, [f"eval.question_file={QUESTIONS}"]))
     responses = tmp_path / "responses.jsonl"
     leaked = {"from": "human", "value": "What is 17 times 3?"}
-    responses.write_text(json.dumps({"conversations": [leaked, {"from": "gpt", "value": "51"}]}))
+    responses.write_text(record("r1", [leaked, {"from": "gpt", "value": "51"}]))
     with pytest.raises(EvalPromptError, match="1 evaluation prompts are also training prompts"):
         check_held_out(prompts, responses)
-    responses.write_text(json.dumps({"conversations": [{"from": "human", "value": "other"}]}))
+    responses.write_text(record("r1", [{"from": "human", "value": "other"}]))
     check_held_out(prompts, responses)
 
 
@@ -85,7 +90,7 @@ def test_the_shipped_eval_set_is_held_out_from_the_shipped_training_set(tmp_path
     lines = Path("data/prompts/tiny-blend.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     responses = tmp_path / "responses.jsonl"
-    responses.write_text("\n".join(json.dumps({"conversations": r["conversations"]}) for r in rows))
+    responses.write_text("".join(record(r["id"], r["conversations"]) for r in rows))
     check_held_out(load_eval_prompts(load_profile(TINY)), responses)
 
 
@@ -102,7 +107,7 @@ def test_eval_sweeps_are_validated():
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The tiny verifier's tokenizer and chat template, trained as `make verifier` does (~2 s),
     with one template variable (``thinking``) to show chat_template_kwargs reach the count."""
-    from pipeline.build_verifier import CHAT_TEMPLATE, _train_tokenizer
+    from pipeline.verifier import CHAT_TEMPLATE, _train_tokenizer
 
     profile = load_profile(TINY)
     lines = Path(profile.verifier.build.corpus).read_text().splitlines()

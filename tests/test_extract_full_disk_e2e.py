@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from pipeline.config import load_profile
+from pipeline.core.config import load_profile
 from tests.helpers import fill_volume, seed_run_dir, small_volume
 
 pytestmark = pytest.mark.e2e

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from pipeline import generate
-from pipeline.config import load_profile
-from pipeline.prompts import PromptDataError
-from pipeline.vllm_server import vllm_server
-from tests.helpers import seed_run_dir
+from pipeline.core.config import load_profile
+from pipeline.core.prompts import PromptDataError
+from pipeline.serving.vllm_server import vllm_server
+from tests.helpers import seed_run_dir, verifier_model
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
@@ -73,7 +73,7 @@ def test_bad_prompts_and_replies_are_skipped_by_policy_and_counted(tiny_run, tmp
         generate.run(strict)
 
     server_profile = profile_for("server")
-    model = generate.resolved_verifier(server_profile)["model"]
+    model = verifier_model(server_profile)
     with vllm_server(server_profile, model, tmp_path / "vllm.log") as server:
         at = f"server.base_url={server.base_url}"
 

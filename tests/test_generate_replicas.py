@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pipeline.config import load_profile
+from pipeline.core.config import load_profile
+from pipeline.core.prompts import PromptRow
 from pipeline.generate import ResponseWriter, finished_ids, regenerate_all
-from pipeline.prompts import PromptRow
-from pipeline.vllm_server import Endpoint
+from pipeline.serving.vllm_api import Endpoint
 from tests.helpers import serving
 
 pytestmark = pytest.mark.unit

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build_verifier import resolved_verifier
-from pipeline.config import load_profile
-from pipeline.manifest import read_manifest
-from pipeline.vllm_server import vllm_server
-from tests.helpers import run_stage, seed_run_dir
+from pipeline.core.config import load_profile
+from pipeline.core.manifest import read_manifest
+from pipeline.serving.vllm_server import vllm_server
+from tests.helpers import run_stage, seed_run_dir, verifier_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).parent.parent
@@ -26,7 +25,7 @@ def test_two_replicas_share_the_prompts_and_each_is_done_once(tiny_run, tmp_path
     base = [f"run.output_dir={tmp_path}", f"data.max_samples={SAMPLES}", "generate.concurrency=4"]
     profile = load_profile(REPO / "configs/tiny.yaml", base)
     seed_run_dir(tiny_run, profile, ("verifier",))
-    model = resolved_verifier(profile)["model"]
+    model = verifier_model(profile)
     with (
         vllm_server(profile, model, tmp_path / "a.log", use_base_url=False) as a,
         vllm_server(profile, model, tmp_path / "b.log", use_base_url=False) as b,

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build_verifier import resolved_verifier
-from pipeline.config import load_profile
-from pipeline.prompts import load_prompts
-from pipeline.vllm_server import LOOPBACK, vllm_server
-from tests.helpers import seed_run_dir
+from pipeline.core.config import load_profile
+from pipeline.core.prompts import load_prompts
+from pipeline.serving.vllm_api import LOOPBACK
+from pipeline.serving.vllm_server import vllm_server
+from tests.helpers import seed_run_dir, verifier_model
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
@@ -81,7 +81,7 @@ def test_generation_resumes_exactly_once_after_the_server_is_killed(tiny_run, tm
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     # The verifier built by the session's pipeline run, declared finished in this run folder.
     seed_run_dir(tiny_run, profile, ("verifier",))
-    model = resolved_verifier(profile)["model"]
+    model = verifier_model(profile)
     responses = profile.run.run_dir / "generate" / "responses.jsonl"
 
     with vllm_server(profile, model, tmp_path / "first.log", use_base_url=False) as server:

@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 
 from pipeline import generate
-from pipeline.config import load_profile
-from pipeline.manifest import now, write_manifest
-from pipeline.prompts import load_prompt_set
-from pipeline.vllm_server import LOOPBACK, free_port
+from pipeline.core.config import load_profile
+from pipeline.core.prompts import load_prompt_set
+from pipeline.serving.vllm_api import LOOPBACK, free_port
+from tests.helpers import stand_in_manifest
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).parent.parent
@@ -84,7 +84,7 @@ def test_a_smaller_sample_parks_the_rest_and_a_larger_one_reuses_the_pilot(tmp_p
             REPO / "configs/tiny.yaml",
             [f"run.output_dir={tmp_path}", f"server.base_url={url}", f"data.max_samples={samples}"],
         )
-        write_manifest(profile, "verifier", started_at=now(), counts={}, outputs={"model": "v"})
+        stand_in_manifest(profile, "verifier", model="v")
         return generate.run(profile)
 
     folder = tmp_path / "tiny" / "generate"

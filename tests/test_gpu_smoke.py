@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.config import load_profile
+from pipeline.core.config import load_profile
 from tests.helpers import run_stage, seed_run_dir
 
 REPO = Path(__file__).parent.parent
 
 
 def smoke(profile_overrides: list[str], *flags: str) -> subprocess.CompletedProcess:
-    return run_stage("pipeline.gpu_smoke", *flags, *profile_overrides)
+    return run_stage("pipeline.tools.gpu_smoke", *flags, *profile_overrides)
 
 
 @pytest.mark.unit

@@ -9,9 +9,9 @@ import torch
 from hs_connectors.transfer import FileTransfer, FP8Transfer
 from safetensors import safe_open
 
-from pipeline.config import load_profile
+from pipeline.core.config import load_profile
 from pipeline.extract import ExtractError, check_shard_format
-from pipeline.hidden_states_connector import write_shard
+from pipeline.serving.hidden_states_connector import write_shard
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.errors import PipelineError
-from pipeline.logged_process import run_logged
+from pipeline.core.errors import PipelineError
+from pipeline.serving.logged_process import run_logged
 from tests.helpers import alive_after
 
 pytestmark = pytest.mark.unit
@@ -30,8 +30,8 @@ time.sleep(600)
 # A stage that runs the tool through run_logged and is then SIGKILLed by the test.
 STAGE = """
 import sys
-from pipeline.errors import PipelineError
-from pipeline.logged_process import run_logged
+from pipeline.core.errors import PipelineError
+from pipeline.serving.logged_process import run_logged
 from pathlib import Path
 tool, pids, log = sys.argv[1:]
 run_logged([sys.executable, "-c", tool, pids], Path(log), PipelineError, "tool")

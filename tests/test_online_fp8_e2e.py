@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_profile
-from pipeline.manifest import read_manifest
+from pipeline.core.config import load_profile
+from pipeline.core.manifest import read_manifest
 from tests.helpers import run_stage, seed_run_dir
 
 pytestmark = pytest.mark.e2e

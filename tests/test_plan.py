@@ -2,16 +2,15 @@
 cannot fit with remedies that do, and, after a finished run, plans per prompt read (the tiny
 run's own check is in tests/test_plan_e2e.py)."""
 
-import datetime as dt
 import subprocess
 import sys
 
 import pytest
 
-from pipeline.config import load_profile
+from pipeline.core.config import load_profile
 from pipeline.extract import bytes_per_token
-from pipeline.manifest import stage_dir, write_manifest
-from pipeline.plan import TB, build_plan
+from pipeline.tools.plan import TB, build_plan
+from tests.helpers import stand_in_manifest
 
 pytestmark = pytest.mark.unit
 KIMI = "configs/kimi-k2.5.yaml"
@@ -66,7 +65,7 @@ def test_online_stores_nothing_and_extracts_every_epoch():
 
 def test_check_refuses_to_start_and_prints_the_table():
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.plan", "--check", "--config", KIMI, *ON_3TB],
+        [sys.executable, "-m", "pipeline.tools.plan", "--check", "--config", KIMI, *ON_3TB],
         capture_output=True,
         text=True,
         check=False,
@@ -82,9 +81,7 @@ def test_tiny_profile_fits_here():
 
 
 def finished_stage(profile, stage, wall_time_s, counts, outputs):
-    stage_dir(profile, stage).mkdir(parents=True)
-    started = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=wall_time_s)
-    write_manifest(profile, stage, started_at=started, counts=counts, outputs=outputs)
+    stand_in_manifest(profile, stage, counts=counts, wall_time_s=wall_time_s, **outputs)
 
 
 def test_measured_figures_are_per_prompt_read_across_skips_and_multi_turn_rows(tmp_path):

@@ -6,9 +6,9 @@ skip some prompts; the plan must count per prompt read so that the figure still 
 
 import pytest
 
+from pipeline.core.manifest import read_manifest, stage_dir
 from pipeline.extract import hidden_state_bytes
-from pipeline.manifest import read_manifest, stage_dir
-from pipeline.plan import build_plan
+from pipeline.tools.plan import build_plan
 
 pytestmark = pytest.mark.e2e
 

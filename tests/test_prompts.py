@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.prompts import PromptDataError, data_revision, load_prompt_set, load_prompts
+from pipeline.core.prompts import PromptDataError, data_revision, load_prompt_set, load_prompts
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).parent.parent

@@ -25,15 +25,11 @@ import pytest
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 
-from pipeline.config import load_profile
-from pipeline.manifest import (
-    DRAFTER_FILES,
-    atomic_write_json,
-    drafter_digest,
-    portable,
-    read_manifest,
-    stage_dir,
-)
+from pipeline.core.atomic_files import atomic_write_json, sha256_file
+from pipeline.core.config import load_profile
+from pipeline.core.drafter import DRAFTER_FILES, drafter_digest
+from pipeline.core.manifest import read_manifest, stage_dir
+from pipeline.core.portable import portable
 from tests.helpers import TEST_OVERRIDES, seed_run_dir
 from tests.local_hub import LocalHub
 
@@ -115,7 +111,7 @@ def test_publish_pushes_once_then_changes_nothing(release_run, tmp_path):
         env = hub_env(endpoint, tmp_path / "hf-home", TOKEN)
         stale = stage("release.publish", release_run, env, "--push")
         assert stale.returncode == 2 and "rerun `make card`" in stale.stderr, stale.stderr
-        assert stage("model_card.render", release_run, env).returncode == 0
+        assert stage("model_card.card", release_run, env).returncode == 0
 
         first = stage("release.publish", release_run, env, "--push")
         assert first.returncode == 0, first.stderr[-3000:]
@@ -195,7 +191,7 @@ def fail_license_check(profile, tmp_path) -> None:
     licenses = tmp_path / "licenses.yaml"
     text = (REPO / "release/licenses.yaml").read_text()
     licenses.write_text(text.replace("tiny-blend/math: *tiny-blend", ""))
-    from release.check_licenses import LicenseCheckError, run
+    from release.licenses import LicenseCheckError, run
 
     with pytest.raises(LicenseCheckError):
         run(
@@ -225,8 +221,8 @@ def break_card_metadata(profile) -> None:
 # What the card stage says about each case: the card must refuse what publish refuses.
 CARD_REFUSES = {
     "license check failed": "the license check failed for this run",
-    "stale license check": "the license check predates the generated data",
-    "eval of another checkpoint": "the eval results belong to another drafter checkpoint",
+    "stale license check": "stage 'licenses' of run 'tiny' is stale: its input 'generate'",
+    "eval of another checkpoint": "stage 'eval' of run 'tiny' is stale: its input 'train'",
 }
 
 
@@ -236,9 +232,15 @@ CARD_REFUSES = {
         ("no token", "no Hugging Face token: set HF_TOKEN"),
         ("rejected token", "the Hub refused a request for alice/tiny-eagle3: 401"),
         ("license check failed", "the license check failed for this run: source 'tiny-blend/math'"),
-        ("stale license check", "the license check predates the generated data; rerun `make che"),
+        (
+            "stale license check",
+            "its input 'generate' was rerun after it finished; rerun `make licenses",
+        ),
         ("no eval", "no eval results for run 'tiny': run `make eval`"),
-        ("eval of another checkpoint", "the eval results belong to drafter checkpoint"),
+        (
+            "eval of another checkpoint",
+            "its input 'train' was rerun after it finished; rerun `make eval",
+        ),
         (
             "card metadata the Hub cannot parse",
             "the Hub rejected the model card's metadata (README.md): Invalid YAML in README.md",
@@ -259,7 +261,7 @@ def test_publish_refuses_and_says_why(release_run, tmp_path, case, message):
     with hub.running() as endpoint:
         env = hub_env(endpoint, tmp_path / "hf-home", token)
         if case != "no eval":  # the card for REPO_ID, so that only `case` is wrong
-            card = stage("model_card.render", release_run, env)
+            card = stage("model_card.card", release_run, env)
             if case in CARD_REFUSES:
                 assert card.returncode == 2, card.stdout + card.stderr
                 assert CARD_REFUSES[case] in card.stderr, card.stderr
@@ -284,7 +286,7 @@ def test_publish_refuses_when_the_repository_changed_meanwhile(release_run, tmp_
     hub = LocalHub({TOKEN: "alice"})
     with hub.running() as endpoint:
         env = hub_env(endpoint, tmp_path / "hf-home", TOKEN)
-        assert stage("model_card.render", release_run, env).returncode == 0
+        assert stage("model_card.card", release_run, env).returncode == 0
         hub.before_commit.append(
             lambda repo: hub.new_commit(
                 repo, "someone else", "", {**repo.head.files, "theirs.txt": b"mine"}, repo.head.lfs
@@ -316,7 +318,7 @@ def test_publish_uses_the_token_hf_auth_login_cached(release_run, tmp_path):
             check=False,
         )
         assert login.returncode == 0, login.stdout + login.stderr
-        assert stage("model_card.render", release_run, env).returncode == 0
+        assert stage("model_card.card", release_run, env).returncode == 0
         dry = stage("release.publish", release_run, env)
         assert dry.returncode == 0, dry.stderr[-3000:]
         assert "(token from the HF cache)" in dry.stdout
@@ -331,14 +333,27 @@ def test_publish_uses_the_token_hf_auth_login_cached(release_run, tmp_path):
             assert TOKEN.encode() not in path.read_bytes(), path
 
 
+def restamp_inputs(profile, stages: tuple[str, ...]) -> None:
+    """Record in each of ``stages`` (in pipeline order) its inputs' manifests as they are now,
+    as if each had been rerun on them."""
+    for name in stages:
+        path = stage_dir(profile, name) / "manifest.json"
+        manifest = json.loads(path.read_text())
+        for needed, record in manifest["inputs"].items():
+            record["sha256"] = sha256_file(stage_dir(profile, needed) / "manifest.json")
+        path.write_text(json.dumps(manifest))
+
+
 def test_card_shows_how_the_prompts_were_sampled(release_run, tmp_path):
     env = hub_env("http://127.0.0.1:9", tmp_path / "hf-home", None)  # the card needs no Hub
     path = stage_dir(release_run, "generate") / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["outputs"].pop("sampling", None)  # a manifest from before generate recorded it
     path.write_text(json.dumps(manifest))
-    assert stage("model_card.render", release_run, env).returncode == 0
-    assert "Sampling:" not in (stage_dir(release_run, "card") / "README.md").read_text()
+    old = stage("model_card.card", release_run, env)
+    assert old.returncode == 2
+    assert "does not match the 'generate' stage's contract (outputs.sampling" in old.stderr
+    assert "rerun `make generate" in old.stderr
 
     report = json.loads((stage_dir(release_run, "licenses") / "report.json").read_text())
     sources = [s["source"] for s in report["sources"]]
@@ -349,7 +364,8 @@ def test_card_shows_how_the_prompts_were_sampled(release_run, tmp_path):
         "by_source": {source: {"available": 40, "sampled": 25} for source in sources},
     }
     path.write_text(json.dumps(manifest))
-    card = stage("model_card.render", release_run, env)
+    restamp_inputs(release_run, ("licenses", "extract", "train", "eval"))  # as if rerun on it
+    card = stage("model_card.card", release_run, env)
     assert card.returncode == 0, card.stderr[-3000:]
     text = " ".join((stage_dir(release_run, "card") / "README.md").read_text().split())
     n, m = 25 * len(sources), 40 * len(sources)
@@ -397,7 +413,7 @@ def test_the_release_names_no_path_of_the_builders_machine(tiny_run, release_run
     """The tiny run's own release (from `make hero-run`) and a dry run of this checkout's card
     and publish on a copy of it: no file names the machine that built them."""
     env = hub_env("http://127.0.0.1:9", tmp_path / "hf-home", None)
-    assert stage("model_card.render", release_run, env).returncode == 0
+    assert stage("model_card.card", release_run, env).returncode == 0
     dry = stage("release.publish", release_run, env)
     assert dry.returncode == 0, dry.stderr[-3000:]
     traces = builder_traces(tiny_run.run.run_dir, release_run.run.run_dir)
@@ -416,7 +432,7 @@ def test_the_release_names_no_path_of_the_builders_machine(tiny_run, release_run
 
 def test_publish_refuses_a_release_that_names_a_machine_path(release_run, tmp_path):
     env = hub_env("http://127.0.0.1:9", tmp_path / "hf-home", None)
-    assert stage("model_card.render", release_run, env).returncode == 0
+    assert stage("model_card.card", release_run, env).returncode == 0
     card = stage_dir(release_run, "card") / "README.md"
     card.write_text(card.read_text() + f"\nBuilt in {release_run.run.run_dir.absolute()}/x.\n")
     refused = stage("release.publish", release_run, env)

@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline import server_container
-from pipeline.config import ConfigError, load_profile
-from pipeline.server_container import ENTRYPOINT, LABEL_OWNER, LABEL_RUN, owner_id
-from pipeline.vllm_server import ServerError, vllm_server
+from pipeline.core.config import ConfigError, load_profile
+from pipeline.serving import server_container
+from pipeline.serving.server_container import ENTRYPOINT, LABEL_OWNER, LABEL_RUN, owner_id
+from pipeline.serving.vllm_api import ServerError
+from pipeline.serving.vllm_server import vllm_server
 from tests.fake_docker_engine import FakeDockerEngine, Image
 
 pytestmark = pytest.mark.unit

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_profile
-from pipeline.server_container import ENTRYPOINT
+from pipeline.core.config import load_profile
+from pipeline.serving.server_container import ENTRYPOINT
 from tests.fake_docker_engine import FakeDockerEngine, Image
 from tests.helpers import run_stage, seed_run_dir
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.config import load_profile
-from pipeline.prompts import load_prompts
-from pipeline.server_guard import group_members
-from pipeline.vllm_server import SERVERS
+from pipeline.core.config import load_profile
+from pipeline.core.prompts import load_prompts
+from pipeline.serving.server_guard import group_members
+from pipeline.serving.vllm_server import SERVERS
 from tests.helpers import REPO, TEST_OVERRIDES, alive_after, run_stage, seed_run_dir
 
 pytestmark = pytest.mark.e2e

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.spec_decode_metrics import SpecDecodeCounters, acceptance, parse_counters
+from pipeline.serving.spec_decode_metrics import SpecDecodeCounters, acceptance, parse_counters
 
 pytestmark = pytest.mark.unit
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_metrics.txt"

@@ -6,16 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build_verifier import is_degenerate
-from pipeline.config import load_profile
+from pipeline.core.atomic_files import atomic_write_json
+from pipeline.core.config import load_profile
+from pipeline.core.manifest import StageInputError, read_manifest, write_manifest
+from pipeline.core.portable import portable_drafter
 from pipeline.generate import ResponseWriter, finished_ids
-from pipeline.manifest import (
-    StageInputError,
-    atomic_write_json,
-    portable_drafter,
-    read_manifest,
-    write_manifest,
-)
+from pipeline.verifier import is_degenerate
+from tests.helpers import stand_in_manifest, stand_in_outputs
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).parent.parent
@@ -37,12 +34,13 @@ def test_manifest_records_provenance_and_a_missing_stage_names_its_target(tmp_pa
     (tmp_path / "tiny" / "generate" / "x.bin").write_bytes(b"0" * 10)
     import datetime as dt
 
+    stand_in_manifest(profile, "verifier")
     m = write_manifest(
         profile,
         "generate",
         started_at=dt.datetime.now(dt.UTC),
         counts={"input": 1, "succeeded": 1, "skipped": 0, "failed": 0},
-        outputs={},
+        outputs=stand_in_outputs("generate"),
     )
     assert read_manifest(profile, "generate") == m
     assert m["bytes"] == 10 and m["config"]["run"]["name"] == "tiny"
@@ -50,17 +48,19 @@ def test_manifest_records_provenance_and_a_missing_stage_names_its_target(tmp_pa
     assert "sha" in m["git"]
 
 
-def write_paths_manifest(profile, outputs):
+def write_paths_manifest(profile, drafter, command, **named):
+    """A train manifest with paths in its typed fields, and ``named`` ones in a free-form one."""
     import datetime as dt
 
+    for stage in ("verifier", "extract"):
+        stand_in_manifest(profile, stage)
     (profile.run.run_dir / "train").mkdir(parents=True, exist_ok=True)
     return write_manifest(
         profile,
         "train",
         started_at=dt.datetime.now(dt.UTC),
         counts={"input": 1, "succeeded": 1, "skipped": 0, "failed": 0},
-        outputs=outputs,
-        inputs=("verifier",),
+        outputs=stand_in_outputs("train", drafter=drafter, command=command, verifier=named),
     )
 
 
@@ -70,34 +70,36 @@ def test_manifests_record_no_path_of_this_machine_and_read_back_absolute(tmp_pat
 
     profile = load_profile("configs/tiny.yaml", [f"run.output_dir={tmp_path / 'a'}"])
     run_dir = profile.run.run_dir
-    outputs = {
-        "drafter": str(run_dir / "train/checkpoints/3"),
-        "command": [sys.executable, "-m", "x", "--save-path", str(run_dir / "train/ck")],
+    drafter = str(run_dir / "train/checkpoints/3")
+    command = [sys.executable, "-m", "x", "--save-path", str(run_dir / "train/ck")]
+    named = {
         "cache": str(Path.home() / ".cache/huggingface"),
         "corpus": str(REPO / "data/prompts/tiny-blend.jsonl"),
         "spec": json.dumps({"model": str(run_dir / "train/checkpoints/3")}),
         "hub_id": "moonshotai/Kimi-K2.5",
         "url": "http://127.0.0.1:8000/v1",
     }
-    m = write_paths_manifest(profile, outputs)
+    m = write_paths_manifest(profile, drafter, command, **named)
     text = (run_dir / "train/manifest.json").read_text()
     on_disk = json.loads(text)
     for machine_path in (str(tmp_path), str(REPO), str(Path.home()), sys.prefix):
         assert machine_path not in text
     assert on_disk["outputs"]["drafter"] == "train/checkpoints/3"
-    assert on_disk["inputs"]["verifier"] == "verifier/manifest.json"
+    assert on_disk["inputs"]["verifier"]["manifest"] == "verifier/manifest.json"
     assert on_disk["config"]["run"]["output_dir"] == ".."
-    assert on_disk["outputs"]["corpus"] == "data/prompts/tiny-blend.jsonl"
-    assert on_disk["outputs"]["spec"] == json.dumps({"model": "<run>/train/checkpoints/3"})
-    assert on_disk["outputs"]["hub_id"] == outputs["hub_id"]
-    assert on_disk["outputs"]["url"] == outputs["url"]
+    written = on_disk["outputs"]["verifier"]
+    assert written["corpus"] == "data/prompts/tiny-blend.jsonl"
+    assert written["spec"] == json.dumps({"model": "<run>/train/checkpoints/3"})
+    assert written["hub_id"] == named["hub_id"]
+    assert written["url"] == named["url"]
     assert on_disk["relative_paths"]["/outputs/drafter"] == "run"
-    assert on_disk["relative_paths"]["/outputs/corpus"] == "repo"
+    assert on_disk["relative_paths"]["/outputs/verifier/corpus"] == "repo"
 
     # Read back on this machine: the same absolute paths, and the same as write_manifest said.
     assert m == read_manifest(profile, "train")
-    for key in ("drafter", "command", "cache", "corpus", "hub_id"):
-        assert m["outputs"][key] == outputs[key], key
+    assert m["outputs"]["drafter"] == drafter and m["outputs"]["command"] == command
+    for key in ("cache", "corpus", "hub_id"):
+        assert m["outputs"]["verifier"][key] == named[key], key
     assert m["config"]["run"]["output_dir"] == str(tmp_path / "a")
 
     # A run folder moved elsewhere reads its own paths.
@@ -114,15 +116,15 @@ def test_a_local_verifier_and_prompt_set_outside_every_base_are_not_published(tm
         "configs/kimi-k2.5.yaml",
         [f"run.output_dir={tmp_path / 'runs'}", f"verifier.model={model}", f"data.dataset={data}"],
     )
-    outputs = {"model": str(model), "where": f"{data} line 7", "dataset": str(data)}
-    m = write_paths_manifest(profile, outputs)
+    named = {"model": str(model), "where": f"{data} line 7", "dataset": str(data)}
+    m = write_paths_manifest(profile, str(model / "drafter"), [], **named)
     text = (profile.run.run_dir / "train/manifest.json").read_text()
     assert str(tmp_path) not in text
     on_disk = json.loads(text)
-    assert on_disk["outputs"]["where"] == "blend.jsonl line 7"
-    assert on_disk["relative_paths"]["/outputs/where"] == "data"
+    assert on_disk["outputs"]["verifier"]["where"] == "blend.jsonl line 7"
+    assert on_disk["relative_paths"]["/outputs/verifier/where"] == "data"
     assert on_disk["config"]["verifier"]["model"] == "."
-    assert m["outputs"] == outputs  # read back absolute on this machine
+    assert m["outputs"]["verifier"] == named  # read back absolute on this machine
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     config = {"speculators_config": {"verifier": {"name_or_path": str(model)}}}
@@ -160,7 +162,7 @@ def test_a_drafter_names_its_verifier_without_a_machine_path(tmp_path):
     ],
 )
 def test_the_card_serves_a_verifier_a_reader_can_get(tmp_path, config, overrides, serve, says):
-    from model_card.render import verifier_view
+    from model_card.card import verifier_view
 
     profile = load_profile(REPO / "configs" / config, [f"run.output_dir={tmp_path}", *overrides])
     model = str(profile.run.run_dir / "verifier/model") if profile.verifier.build else "x"
@@ -172,8 +174,8 @@ def test_the_card_serves_a_verifier_a_reader_can_get(tmp_path, config, overrides
 def test_torn_last_record_is_dropped_on_resume(tmp_path):
     path = tmp_path / "responses.jsonl"
     writer = ResponseWriter(path)
-    writer.write({"id": "a"})
-    writer.write({"id": "b"})
+    for id_ in ("a", "b"):
+        writer.write({"id": id_, "source": "s", "conversations": [], "skip_reason": None})
     writer.close()
     with open(path, "ab") as fh:
         fh.write(b'{"id": "c", "conv')  # a crash mid-write
@@ -204,7 +206,7 @@ def _words(source: str) -> set[str]:
 def test_hidden_state_connectors_rely_only_on_stock_connector_internals_that_exist():
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
 
-    from pipeline.hidden_states_connector import STOCK_ATTRIBUTES
+    from pipeline.serving.hidden_states_connector import STOCK_ATTRIBUTES
 
     source = inspect.getsource(m.ExampleHiddenStatesConnector)
     missing = [
@@ -214,7 +216,7 @@ def test_hidden_state_connectors_rely_only_on_stock_connector_internals_that_exi
 
 
 def test_speculators_cpu_adapter_targets_exist():
-    from pipeline.speculators_train import check_patch_targets
+    from pipeline.training.speculators_train import check_patch_targets
 
     check_patch_targets()
 
@@ -227,14 +229,14 @@ def test_speculators_cpu_adapter_targets_exist():
     ],
 )
 def test_missing_verifier_names_the_model_and_the_fix(tmp_path, model, message):
-    from pipeline import build_verifier
+    from pipeline import verifier
 
     profile = load_profile(
         REPO / "configs" / "kimi-k2.5.yaml",
         [f"run.output_dir={tmp_path}", f"verifier.model={model}"],
     )
-    with pytest.raises(build_verifier.VerifierError, match=message) as info:
-        build_verifier.run(profile)
+    with pytest.raises(verifier.VerifierError, match=message) as info:
+        verifier.run(profile)
     assert model in str(info.value)
 
 

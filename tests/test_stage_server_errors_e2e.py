@@ -18,7 +18,7 @@ import sys
 import pytest
 from aiohttp import web
 
-from pipeline.config import load_profile
+from pipeline.core.config import load_profile
 from tests.helpers import REPO, TEST_OVERRIDES, seed_run_dir, serving
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 STAGES = {
     "generate": ("pipeline.generate", ("verifier",), "prompts failed"),
     "extract": ("pipeline.extract", ("verifier", "generate"), "prepare-data failed: http://"),
-    "eval": ("eval.measure_acceptance", ("verifier", "generate", "train"), "completions answered"),
+    "eval": ("eval", ("verifier", "generate", "train"), "completions answered"),
 }
 BOUNDED = [
     "generate.max_retries=1",

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from pipeline.manifest import STAGES, read_manifest
-from tests.helpers import TEST_OVERRIDES
+from pipeline.core.contracts import STAGES
+from pipeline.core.manifest import read_manifest
+from tests.helpers import TEST_OVERRIDES, verifier_model
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
@@ -212,17 +213,19 @@ def test_card_reloads_with_the_measured_numbers(tiny_run):
 def test_an_untrained_drafter_is_an_error_not_a_result(tiny_run, tmp_path):
     """The same drafter untrained, on exactly the prompts, k and max_tokens the trained one was
     measured on: about 1.0, an error; the trained one keeps its measured gain above it."""
-    from eval.eval_prompts import load_eval_prompts
-    from eval.measure_acceptance import Arm, EvalError, check_acceptance, measure_level
-    from pipeline.build_verifier import resolved_verifier
-    from pipeline.train import train_command
-    from pipeline.vllm_server import vllm_server
+    from eval.arms import Arm
+    from eval.guards import EvalError, check_acceptance
+    from eval.measure import measure_level
+    from eval.prompts import load_eval_prompts
+    from pipeline.serving.vllm_server import vllm_server
+    from pipeline.training.launch import train_command
 
     profile = tiny_run
     untrained = tmp_path / "untrained"
     prepared = profile.run.run_dir / "train" / "data"
-    verifier = resolved_verifier(profile)["model"]
-    cmd = train_command(profile, verifier, prepared, untrained)
+    verifier = verifier_model(profile)
+    layers = profile.verifier.capture_layer_ids
+    cmd = train_command(profile, verifier, prepared, untrained, layers)
     subprocess.run([*cmd, "--dry-run"], cwd=REPO, check=True, capture_output=True, timeout=600)
     drafter = next(p for p in [untrained, *untrained.iterdir()] if (p / "config.json").exists())
     k = max(MEASURED_EAGLE3_LENGTH)
@@ -246,11 +249,10 @@ def test_an_untrained_drafter_is_an_error_not_a_result(tiny_run, tmp_path):
 def pin_recorded_verifier(profile) -> None:
     """Record, in a seeded train manifest, exactly the verifier the seeded run serves, so that
     a refusal test changes one thing only."""
-    from pipeline.build_verifier import resolved_verifier
 
     path = profile.run.run_dir / "train" / "manifest.json"
     manifest = json.loads(path.read_text())
-    manifest["outputs"]["verifier"]["model"] = resolved_verifier(profile)["model"]
+    manifest["outputs"]["verifier"]["model"] = verifier_model(profile)
     manifest.get("relative_paths", {}).pop("/outputs/verifier/model", None)
     path.write_text(json.dumps(manifest))
 
@@ -258,7 +260,7 @@ def pin_recorded_verifier(profile) -> None:
 def test_a_drafter_reading_the_wrong_layers_is_refused(tiny_run, tmp_path):
     import shutil
 
-    from pipeline.config import load_profile
+    from pipeline.core.config import load_profile
     from tests.helpers import seed_run_dir
 
     overrides = [f"run.output_dir={tmp_path}", *TEST_OVERRIDES]
@@ -278,7 +280,7 @@ def test_a_drafter_reading_the_wrong_layers_is_refused(tiny_run, tmp_path):
         [
             sys.executable,
             "-m",
-            "eval.measure_acceptance",
+            "eval",
             "--config",
             "configs/tiny.yaml",
             *overrides,
@@ -298,7 +300,7 @@ def test_a_drafter_reading_the_wrong_layers_is_refused(tiny_run, tmp_path):
 
 def run_eval(*overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "eval.measure_acceptance", "--config", "configs/tiny.yaml",
+        [sys.executable, "-m", "eval", "--config", "configs/tiny.yaml",
          *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -315,7 +317,7 @@ def last_line(proc: subprocess.CompletedProcess) -> str:
 def test_a_drafter_trained_for_another_verifier_or_template_is_refused(
     tiny_run, tmp_path, key, recorded
 ):
-    from pipeline.config import load_profile
+    from pipeline.core.config import load_profile
     from tests.helpers import seed_run_dir
 
     overrides = [f"run.output_dir={tmp_path}", *TEST_OVERRIDES]
@@ -337,12 +339,11 @@ def test_a_drafter_trained_for_another_verifier_or_template_is_refused(
 def deployment(tiny_run, tmp_path_factory):
     """A running vLLM serving the tiny verifier with the trained drafter at k=2, as a user's
     deployment would be; measured by `make eval BASE_URL=...`."""
-    from pipeline.build_verifier import resolved_verifier
-    from pipeline.vllm_server import vllm_server
+    from pipeline.serving.vllm_server import vllm_server
 
     drafter = read_manifest(tiny_run, "train")["outputs"]["drafter"]
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": 2}
-    verifier = resolved_verifier(tiny_run)["model"]
+    verifier = verifier_model(tiny_run)
     log = tmp_path_factory.mktemp("deployment") / "deployment.log"
     with vllm_server(tiny_run, verifier, log, speculative_config=spec) as ep:
         yield ep
@@ -351,7 +352,7 @@ def deployment(tiny_run, tmp_path_factory):
 def deployment_eval(tiny_run, tmp_path, base_url: str, samples: int, max_tokens: int):
     """Overrides (the server's base_url second) and profile of an eval run of a deployment at
     ``base_url``, at batch size 1, on the tiny run's verifier, data and drafter."""
-    from pipeline.config import load_profile
+    from pipeline.core.config import load_profile
     from tests.helpers import seed_run_dir
 
     overrides = [
@@ -400,15 +401,14 @@ def test_prompts_over_the_context_are_skipped_and_named_not_sent(tiny_run, deplo
     import httpx
     from transformers import AutoTokenizer
 
-    from eval.eval_prompts import load_eval_prompts, prompt_token_counts
-    from pipeline.build_verifier import resolved_verifier
-    from pipeline.config import load_profile
+    from eval.prompts import load_eval_prompts, prompt_token_counts
+    from pipeline.core.config import load_profile
     from tests.helpers import seed_run_dir
 
     ep = deployment
     max_tokens = 48
     limit = tiny_run.server.max_model_len - max_tokens
-    tokenizer = AutoTokenizer.from_pretrained(resolved_verifier(tiny_run)["model"])
+    tokenizer = AutoTokenizer.from_pretrained(verifier_model(tiny_run))
 
     def tokens(text: str) -> int:
         rendered = tokenizer.apply_chat_template(
@@ -467,7 +467,7 @@ def test_prompts_over_the_context_are_skipped_and_named_not_sent(tiny_run, deplo
     assert f"| one-over | rag | {limit + 1} |" in table
     # The stage's count is vLLM's, prompt by prompt, the one at the limit included.
     sent = json.loads((profile.run.run_dir / "eval" / "outputs.json").read_text())["served-c1"]
-    ours = prompt_token_counts(load_eval_prompts(profile), resolved_verifier(profile)["model"],
+    ours = prompt_token_counts(load_eval_prompts(profile), verifier_model(profile),
                                profile)  # fmt: skip
     assert sent.keys() == {str(q["question_id"]) for q in questions[:7]}
     assert {pid: out["prompt_tokens"] for pid, out in sent.items()} == {p: ours[p] for p in sent}
@@ -490,10 +490,9 @@ def test_prompts_over_the_context_are_skipped_and_named_not_sent(tiny_run, deplo
 def test_a_deployment_that_drafts_nothing_is_an_error(tiny_run, tmp_path):
     """A server without speculation measured as the drafter's deployment: vLLM's spec-decode
     counters never move, and eval ends with one line naming what to check."""
-    from pipeline.build_verifier import resolved_verifier
-    from pipeline.vllm_server import vllm_server
+    from pipeline.serving.vllm_server import vllm_server
 
-    verifier = resolved_verifier(tiny_run)["model"]
+    verifier = verifier_model(tiny_run)
     with vllm_server(tiny_run, verifier, tmp_path / "plain.log") as ep:
         overrides, profile = deployment_eval(tiny_run, tmp_path, ep.base_url, 4, 16)
         proc = run_eval(*overrides)
@@ -508,7 +507,7 @@ def test_a_deployment_that_drafts_nothing_is_an_error(tiny_run, tmp_path):
 
 
 def test_train_reported_its_steps_for_the_progress_bar(tiny_run):
-    from pipeline.train import read_steps
+    from pipeline.training.launch import read_steps
 
     done, total = read_steps(tiny_run.run.run_dir / "train" / "progress.json")
     manifest = read_manifest(tiny_run, "train")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_profile
-from pipeline.manifest import read_manifest
-from pipeline.train import train_command, train_env
+from pipeline.core.config import ConfigError, load_profile
+from pipeline.core.manifest import read_manifest
+from pipeline.training.launch import train_command, train_env
 from tests.helpers import TEST_OVERRIDES, run_stage, seed_run_dir
 
 REPO = Path(__file__).parent.parent
@@ -23,7 +23,10 @@ REPO = Path(__file__).parent.parent
 
 def command(*overrides: str) -> list[str]:
     profile = load_profile(REPO / "configs/kimi-k2.5.yaml", list(overrides))
-    return train_command(profile, "moonshotai/Kimi-K2.5", Path("/data/p"), Path("/data/ckpt"))
+    layers = profile.verifier.capture_layer_ids
+    return train_command(
+        profile, "moonshotai/Kimi-K2.5", Path("/data/p"), Path("/data/ckpt"), layers
+    )
 
 
 def option(cmd: list[str], flag: str) -> str:
@@ -33,7 +36,7 @@ def option(cmd: list[str], flag: str) -> str:
 @pytest.mark.unit
 def test_one_device_runs_the_trainer_directly():
     cmd = command()
-    assert cmd[:3] == [sys.executable, "-m", "pipeline.speculators_train"]
+    assert cmd[:3] == [sys.executable, "-m", "pipeline.training.speculators_train"]
     assert "--fsdp-shard" not in cmd
     assert "GLOO_SOCKET_IFNAME" not in train_env(load_profile("configs/kimi-k2.5.yaml").train)
 
@@ -41,7 +44,7 @@ def test_one_device_runs_the_trainer_directly():
 @pytest.mark.unit
 def test_eight_devices_launch_through_torchrun_on_loopback_with_fsdp():
     cmd = command("train.num_devices=8", "train.fsdp_shard=true")
-    entry = cmd.index("pipeline.speculators_train")
+    entry = cmd.index("pipeline.training.speculators_train")
     launch, trainer = cmd[:entry], cmd[entry:]
     assert launch[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert option(launch, "--nproc-per-node") == "8" and option(launch, "--nnodes") == "1"
@@ -78,3 +81,27 @@ def test_training_through_torchrun_at_world_size_1(tiny_run, tmp_path):
     config = json.loads((Path(out["drafter"]) / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == profile.verifier.capture_layer_ids
     assert out["global_steps"] > 0
+
+
+@pytest.mark.unit
+def test_the_step_total_counts_each_epoch_s_own_batches():
+    """A packing sampler draws another number of batches each epoch: the progress total is
+    their sum, not epochs x the first epoch's (which left the bar short of its end)."""
+    from pipeline.training.speculators_train import batches_per_epoch
+
+    class PackingSampler:
+        epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    class Loader:
+        batch_sampler = PackingSampler()
+
+        def __len__(self) -> int:
+            return 82 - 3 * self.batch_sampler.epoch
+
+    loader = Loader()
+    loader.batch_sampler.set_epoch(2)
+    assert batches_per_epoch(loader, 3) == [82, 79, 76]
+    assert loader.batch_sampler.epoch == 2  # left as it was found

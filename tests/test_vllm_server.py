@@ -16,9 +16,10 @@ import httpx
 import psutil
 import pytest
 
-from pipeline.config import load_profile
-from pipeline.server_guard import guarded, owner_id, process_start
-from pipeline.vllm_server import SERVERS, ServerError, free_port, server_command, vllm_server
+from pipeline.core.config import load_profile
+from pipeline.serving.server_guard import guarded, owner_id, process_start
+from pipeline.serving.vllm_api import ServerError, free_port, server_command
+from pipeline.serving.vllm_server import SERVERS, vllm_server
 from tests.helpers import alive_after
 
 REPO = Path(__file__).parent.parent
@@ -78,8 +79,8 @@ main()
 # A stage: starts its server through vllm_server, says where it is, and waits to be killed.
 STAGE = """
 import sys, time
-from pipeline.config import load_profile
-from pipeline.vllm_server import vllm_server
+from pipeline.core.config import load_profile
+from pipeline.serving.vllm_server import vllm_server
 profile = load_profile("configs/tiny.yaml", sys.argv[2:])
 with vllm_server(profile, "m", __import__("pathlib").Path(sys.argv[1])) as endpoint:
     print(endpoint.pid, flush=True)

@@ -1,0 +1,133 @@
+"""The checks that make eval's numbers trustworthy: each a refusal naming what to check.
+
+- a prompt too long for the context is skipped before any server starts and named
+  (:func:`skip_too_long`), never cut short or refused mid-measurement;
+- the drafter's recorded verifier, capture-layer ids and chat-template hash are those served
+  (:func:`check_drafter_matches`);
+- an EAGLE-3 (or served) arm that drafted nothing, or accepted about nothing, is an error, not a
+  result (:func:`check_acceptance`);
+- every arm's greedy outputs are compared token by token with the baseline's at the same
+  concurrency, and the differing prompt ids recorded (:func:`compare_with_baseline`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from eval.arms import Arm
+from eval.prompts import EvalPrompt, fit_to_context, prompt_token_counts
+from eval.summary import ratio
+from pipeline.core.config import Profile
+from pipeline.core.contracts import TrainOutputs, VerifierOutputs
+from pipeline.core.drafter import aux_layer_ids, drafter_config
+from pipeline.core.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+
+class EvalError(PipelineError):
+    """An evaluation whose numbers cannot be trusted; the message says what to check."""
+
+
+def skip_too_long(
+    prompts: list[EvalPrompt], verifier: str, profile: Profile
+) -> tuple[list[EvalPrompt], dict[str, Any]]:
+    """The prompts that fit ``server.max_model_len - eval.max_tokens`` tokens (the verifier's
+    tokenizer and chat template), and the record of those skipped, each named in a warning."""
+    prompts, skipped = fit_to_context(
+        prompts, prompt_token_counts(prompts, verifier, profile), profile
+    )
+    for p in skipped["prompts"]:
+        log.warning(
+            "eval: skipping prompt %s (%s): %d tokens, over server.max_model_len - eval.max_tokens"
+            " = %d",
+            p["id"],
+            p["category"],
+            p["prompt_tokens"],
+            skipped["max_prompt_tokens"],
+        )
+    return prompts, skipped
+
+
+def check_drafter_matches(verifier: VerifierOutputs, train_outputs: TrainOutputs) -> None:
+    """Refuse a drafter trained against another verifier, layers or chat template than the
+    served ``verifier`` (the `verifier` stage's outputs)."""
+    trained_on = train_outputs.verifier
+    served = {
+        "model": verifier.model,
+        "capture_layer_ids": verifier.capture_layer_ids,
+        "chat_template_sha256": verifier.chat_template_sha256,
+    }
+    for key, want in served.items():
+        if trained_on.get(key) != want:
+            raise EvalError(
+                f"the drafter was trained with {key}={trained_on.get(key)!r} but the served "
+                f"verifier has {key}={want!r}; retrain (`make train`) or serve the right verifier"
+            )
+    config_path = Path(train_outputs.drafter) / "config.json"
+    config = drafter_config(Path(train_outputs.drafter))
+    layers = aux_layer_ids(config)
+    if layers != trained_on["capture_layer_ids"]:
+        raise EvalError(
+            f"{config_path} reads capture layers {layers} but its hidden states were captured at "
+            f"{trained_on['capture_layer_ids']}; vLLM would feed the drafter the wrong layers "
+            "(acceptance near 1.0). Retrain with `make train`, or fix "
+            "eagle_aux_hidden_state_layer_ids"
+        )
+    named = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+    if named is not None and Path(named).name != Path(verifier.model).name:
+        raise EvalError(
+            f"{config_path} names verifier {named!r} but {verifier.model!r} is served; "
+            "evaluate the drafter against the verifier it was trained for"
+        )
+
+
+def check_acceptance(arm: Arm, level: dict[str, Any], min_length: float) -> None:
+    """An EAGLE-3 (or served) arm that drafted nothing, or whose acceptance length is what an
+    untrained or miswired drafter gives (about 1.0), is an error, not a result."""
+    if arm.method not in ("eagle3", "served"):
+        return
+    where = f"{arm.label} at concurrency {level['concurrency']}"
+    acc = level["acceptance"]
+    if acc is None or not acc["drafts"]:
+        raise EvalError(
+            f"{where}: the drafter ran no draft step (vLLM's spec-decode counters did not move); "
+            "check that --speculative-config reached the server (method 'eagle3') and its log"
+        )
+    length = acc["mean_acceptance_length"]
+    if acc["accepted_tokens"] == 0 or length < min_length:
+        raise EvalError(
+            f"{where}: {acc['accepted_tokens']} accepted tokens in {acc['drafts']} drafts, mean "
+            f"acceptance length {length:.4f}, below eval.min_acceptance_length={min_length}: "
+            "what an untrained or miswired drafter gives. Check the drafter's capture-layer ids, "
+            "its verifier and draft vocabulary, and that it trained"
+        )
+
+
+def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["token_ids"] is not None and b["token_ids"] is not None:
+        return a["token_ids"] == b["token_ids"]
+    return a["text"] == b["text"]
+
+
+def compare_with_baseline(runs: list[dict[str, Any]]) -> None:
+    """Speedup and greedy-output identity of every arm against the baseline, level by level."""
+    baseline = next((r for r in runs if r["method"] == "baseline"), None)
+    if baseline is None:
+        return
+    base_levels = {lv["concurrency"]: lv for lv in baseline["levels"]}
+    for run in runs:
+        if run is baseline:
+            continue
+        for level in run["levels"]:
+            base = base_levels[level["concurrency"]]
+            level["speedup"] = ratio(base["time_per_output_token_s"], level)
+            level["mismatched_prompt_ids"] = sorted(
+                pid
+                for pid, out in base["outputs"].items()
+                if not same_output(out, level["outputs"][pid])
+            )
+            for cat, figs in level.get("per_category", {}).items():
+                figs["speedup"] = ratio(base["per_category"][cat]["time_per_output_token_s"], figs)

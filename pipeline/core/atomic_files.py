@@ -1,0 +1,108 @@
+"""Atomic file writes with a free-space reserve: readers see the old file or the whole new one.
+
+Every file a later stage reads (manifests, hidden-state shards, conversation lists) is written
+here: a temporary file in the same folder, fsync, rename over the target, fsync of the folder.
+A crash or a full disk leaves at most a ``.*.tmp`` file, never a short file under the real name.
+
+Deliberately free of heavy imports: vLLM worker processes import it through the hidden-state
+connector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".tmp"
+
+
+class ReserveExceededError(OSError):
+    """Writing would leave less free space than the reserve; nothing was written."""
+
+    def __init__(self, path: Path, needed: int, free: int, reserve: int):
+        super().__init__(
+            errno.ENOSPC,
+            f"writing {needed} bytes would leave {free - needed} of the {reserve} bytes that "
+            f"must stay free on the volume of {path.parent}",
+        )
+        self.needed, self.free, self.reserve = needed, free, reserve
+
+
+def existing_folder(path: Path) -> Path:
+    """``path``, or its nearest existing parent: the folder that tells which volume it is on."""
+    probe = path.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    return probe
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the volume that holds (or will hold) ``path``."""
+    return shutil.disk_usage(existing_folder(path)).free
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, reserve_bytes: int = 0) -> None:
+    """Write ``data`` to ``path`` atomically; refuse first if it would cross ``reserve_bytes``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if reserve_bytes:
+        free = free_bytes(path.parent)
+        if free - len(data) < reserve_bytes:
+            raise ReserveExceededError(path, len(data), free, reserve_bytes)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def save_tensors_atomically(tensors: dict, path: Path, reserve_bytes: int = 0) -> int:
+    """Serialise ``tensors`` to safetensors and write them atomically; return the bytes."""
+    from safetensors.torch import save  # imported here: torch is heavy and most callers lack it
+
+    data = save(tensors)
+    atomic_write_bytes(path, data, reserve_bytes)
+    return len(data)
+
+
+def remove_temporaries(folder: Path) -> int:
+    """Delete the ``.*.tmp`` files an interrupted writer left in ``folder``; return the count."""
+    removed = 0
+    for tmp in Path(folder).glob(f".*{TMP_SUFFIX}"):
+        tmp.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(2**22):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,452 @@
+"""The one typed configuration schema for every stage of the drafter release pipeline.
+
+A profile is a YAML file (``configs/*.yaml``) validated against :class:`Profile`. Every model
+is strict (``extra="forbid"``): an unknown or misspelled field is an error that names it, and a
+field with a closed set of values lists the allowed ones. Overrides (``section.field=value``)
+re-validate through the same schema, so there is no second source of truth for any flag.
+
+Invariants checked here, before any stage runs:
+- the verifier is either built by the project (``verifier.build``) or named (``verifier.model``);
+- capture layer ids are distinct, ascending and inside the verifier's layer count;
+- servers the pipeline starts bind to a loopback address only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.core.errors import PipelineError
+
+PositiveInt = Annotated[int, Field(gt=0)]
+HUB_REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"  # "<namespace>/<name>"
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    # The run folder is output_dir/name; each stage writes only its own subfolder.
+    output_dir: Path
+    seed: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.name
+
+
+class TinyVerifierBuild(StrictModel):
+    """A small Llama the project builds itself: BPE tokenizer + short causal-LM training."""
+
+    corpus: Path  # open-perfectblend-schema JSONL whose text the tokenizer and model learn
+    vocab_size: PositiveInt = 2048
+    intermediate_size: PositiveInt = 384
+    num_attention_heads: PositiveInt = 4
+    max_position_embeddings: PositiveInt = 1024
+    train_steps: PositiveInt = 600
+    batch_size: PositiveInt = 16
+    seq_len: PositiveInt = 256
+    learning_rate: float = Field(default=3e-3, gt=0)
+
+
+class VerifierConfig(StrictModel):
+    # A Hub id or a local folder; None when the project builds the verifier (``build``).
+    model: str | None = None
+    revision: str | None = None
+    build: TinyVerifierBuild | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    hidden_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    # EAGLE-3 auxiliary capture layers (low, middle, high); the pipeline passes these same ids
+    # to extraction, training and the drafter config.
+    capture_layer_ids: list[int] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> VerifierConfig:
+        if (self.model is None) == (self.build is None):
+            raise ValueError("set exactly one of verifier.model (Hub id or path) or verifier.build")
+        ids = self.capture_layer_ids
+        if sorted(set(ids)) != ids:
+            raise ValueError(f"capture_layer_ids must be distinct and ascending, got {ids}")
+        if ids[0] < 0 or ids[-1] >= self.num_hidden_layers:
+            raise ValueError(
+                f"capture_layer_ids {ids} must lie in [0, {self.num_hidden_layers - 1}] "
+                f"for a verifier with num_hidden_layers={self.num_hidden_layers}"
+            )
+        if self.build is not None and self.hidden_size % self.build.num_attention_heads:
+            raise ValueError("verifier.hidden_size must be divisible by build.num_attention_heads")
+        return self
+
+
+class ContainerConfig(StrictModel):
+    """A vLLM server run as a Docker container (server.runtime=docker), one at a time.
+
+    The container shares the host's network namespace and binds server.host (loopback), so it
+    is reachable from this process, on the host or in a host-network container, and from
+    nowhere else; it shares the host's IPC namespace too (vLLM's workers use /dev/shm).
+    """
+
+    # The project's image (compose.yaml builds it): vLLM plus the hidden-state connector.
+    image: str = "eagle3-release:latest"
+    # GPUs the server reserves: all, none (a CPU build), or device ids ("0", "1", ...).
+    gpus: Literal["all", "none"] | list[Annotated[str, BeforeValidator(str)]] = "all"
+    # Bind mounts "host_path:container_path[:ro]". None: the run folder, a local verifier and
+    # the HF cache at the same paths as here (right when this process runs on the host).
+    mounts: list[str] | None = None
+    # The HF cache inside the container (HF_HOME) when mounts are given.
+    hf_home: str = "/hf-cache"
+    # Seconds between SIGTERM and SIGKILL when the server is stopped.
+    stop_timeout_s: PositiveInt = 60
+
+    @model_validator(mode="after")
+    def _mounts_well_formed(self) -> ContainerConfig:
+        for mount in self.mounts or ():
+            parts = mount.split(":")
+            if len(parts) not in (2, 3) or not all(parts[:2]) or parts[2:] not in ([], ["ro"]):
+                raise ValueError(
+                    f"server.container.mounts: {mount!r} must look like "
+                    "/host/path:/container/path or /host/path:/container/path:ro"
+                )
+        return self
+
+
+class ServerConfig(StrictModel):
+    """How the pipeline reaches vLLM: a server it starts on loopback, or one at base_url."""
+
+    # When set, stages talk to this OpenAI-compatible server and start none themselves.
+    base_url: str | None = None
+    # How a stage starts its server: a child process (this machine's vLLM), or a container
+    # through the Docker Engine API (DOCKER_HOST, else the local socket).
+    runtime: Literal["process", "docker"] = "process"
+    container: ContainerConfig = ContainerConfig()
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
+    tensor_parallel_size: PositiveInt = 1
+    max_model_len: PositiveInt = 4096
+    max_num_seqs: PositiveInt | None = None
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    enforce_eager: bool = False
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # VLLM_CPU_KVCACHE_SPACE in GiB; only read by the CPU build of vLLM.
+    cpu_kv_cache_gib: PositiveInt | None = None
+    reasoning_parser: str | None = None
+    startup_timeout_s: float = Field(default=900, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _loopback_only(self) -> ServerConfig:
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        if not loopback:
+            raise ValueError(
+                f"server.host={self.host!r}: servers the pipeline starts bind to loopback only "
+                "(127.0.0.1); to use a server elsewhere set server.base_url instead"
+            )
+        return self
+
+
+class DataConfig(StrictModel):
+    # A local file/folder (JSONL, JSON or parquet) or a Hub dataset id pinned by revision.
+    dataset: str
+    revision: str | None = None
+    split: str = "train"
+    # At most this many prompts: a random sample drawn with sample_seed, stratified by `source`
+    # in proportion to each source's share. None: every row.
+    max_samples: PositiveInt | None = None
+    sample_seed: int = 0
+    # A line or row that breaks the schema (bad JSON or UTF-8, a missing field, a repeated id):
+    # stop with its file and line number, or skip it and record it in generate/skipped.jsonl.
+    on_malformed_row: Literal["error", "skip"] = "error"
+    # Held-out prompts for eval, same schema and loader.
+    eval_dataset: str
+    eval_revision: str | None = None
+    eval_split: str = "train"
+    eval_max_samples: PositiveInt | None = None
+
+
+class GenerateConfig(StrictModel):
+    # Requests in flight per server (per replica when there are several).
+    concurrency: PositiveInt = 64
+    # Running OpenAI-compatible servers (vLLM replicas) to spread the prompts over, each at
+    # `concurrency`; a free replica takes the next prompt. Empty: server.base_url, or one
+    # server started here.
+    replica_urls: list[str] = Field(default_factory=list)
+    max_tokens: PositiveInt = 1024
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    request_timeout_s: float = Field(default=600, gt=0)
+    max_retries: int = Field(default=5, ge=0)
+    # Finished records are fsynced in groups this often; a crash redoes at most this much work.
+    sync_every_s: float = Field(default=0.5, gt=0, le=60)
+    # Passed as chat_template_kwargs, e.g. {"thinking": true} for reasoning verifiers.
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # A reply cut at max_tokens: keep it (and count it) or skip its conversation.
+    on_truncated: Literal["keep", "skip"] = "keep"
+    # A reply with reasoning but no answer: skip its conversation unless this is set.
+    keep_reasoning_only: bool = False
+
+
+class ExtractConfig(StrictModel):
+    max_seq_len: PositiveInt = 4096
+    concurrency: PositiveInt = 8
+    # Space that must stay free on the output volume; extraction stops before crossing it.
+    disk_reserve_gib: float = Field(default=1.0, ge=0)
+    # offline: this stage stores every row's hidden states for training to read. online: it
+    # only tokenises; training runs its own extraction server and gets each row's hidden states
+    # on demand (speculators' --on-missing generate), storing none, recomputed every epoch.
+    mode: Literal["offline", "online"] = "offline"
+    # Stored hidden states in the verifier's dtype, or fp8 (e4m3, one fp32 scale per token,
+    # speculators' fp8 backend): half of bf16 on disk.
+    hidden_states_format: Literal["verifier_dtype", "fp8"] = "verifier_dtype"
+
+
+class TrainConfig(StrictModel):
+    epochs: PositiveInt = 5
+    learning_rate: float = Field(default=1e-4, gt=0)
+    # Tokens per packed training sequence.
+    total_seq_len: PositiveInt = 8192
+    draft_vocab_size: PositiveInt = 32000
+    num_layers: PositiveInt = 1
+    # GPUs on this machine to train on; more than one launches through torchrun.
+    num_devices: PositiveInt = 1
+    # "auto": torchrun only when num_devices > 1; "torchrun": always (world size 1 included).
+    launcher: Literal["auto", "torchrun"] = "auto"
+    # Shard parameters with FSDP across the devices (speculators' --fsdp-shard); else each rank
+    # holds the whole drafter (data parallel). Needs torchrun.
+    fsdp_shard: bool = False
+    save_best: bool = True
+    log_every: PositiveInt = 10
+    # Kernels: flex attention and the fused loss need a GPU; sdpa/eager run anywhere.
+    draft_attn_impl: Literal["simple_flex_attention", "sdpa", "eager"] = "simple_flex_attention"
+    loss_implementation: Literal["fused", "eager"] = "fused"
+    num_workers: int = Field(default=4, ge=0)
+    # Fraction of extracted samples trained on; the rest is speculators' validation split.
+    train_data_ratio: float = Field(default=0.95, gt=0, le=1)
+    # Start from an existing speculators drafter (Hub id or path) instead of random init.
+    from_pretrained: str | None = None
+    extra_args: list[str] = Field(default_factory=list)
+
+    @property
+    def torchrun(self) -> bool:
+        return self.launcher == "torchrun" or self.num_devices > 1
+
+    @model_validator(mode="after")
+    def _fsdp_needs_torchrun(self) -> TrainConfig:
+        if self.fsdp_shard and not self.torchrun:
+            raise ValueError(
+                "train.fsdp_shard shards the drafter across torchrun ranks: set "
+                "train.num_devices > 1 (or train.launcher=torchrun)"
+            )
+        return self
+
+
+class EvalConfig(StrictModel):
+    # Draft tokens per step to sweep; vLLM fixes k when it starts, so each k is its own server.
+    num_speculative_tokens: list[PositiveInt] = Field(default=[1, 2, 3, 4, 5], min_length=1)
+    # Drafters measured against the paired run without speculation, on the same server flags.
+    methods: list[Literal["ngram", "eagle3"]] = Field(default=["ngram", "eagle3"], min_length=1)
+    # Requests in flight; must include 1 (Spec-Bench's batch size 1), where acceptance is also
+    # measured per category and the headline is taken.
+    concurrency: list[PositiveInt] = Field(default=[1, 16], min_length=1)
+    max_tokens: PositiveInt = 256
+    # Below this mean acceptance length an EAGLE-3 arm is an error: an untrained or miswired
+    # drafter gives about 1.0 (the wrong method name, wrong capture layers).
+    min_acceptance_length: float = Field(default=1.1, ge=1)
+    # vLLM's ngram (prompt lookup) drafter: n-gram sizes it matches against the prompt.
+    ngram_prompt_lookup_min: PositiveInt = 2
+    ngram_prompt_lookup_max: PositiveInt = 4
+    # Spec-Bench's or MT-bench's question.jsonl (question_id, category, turns) to measure
+    # instead of data.eval_dataset; the first turn of each question is sent.
+    question_file: Path | None = None
+    # Losslessness through lm-eval's local-completions model, with and without the drafter;
+    # an empty list skips it. The default task is built from data.eval_dataset (chrF of the
+    # greedy continuation of each reference answer); Hub task names need their data cached.
+    lm_eval_tasks: list[str] = Field(default_factory=lambda: ["eval_reference_continuation"])
+    lm_eval_limit: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _consistent_sweeps(self) -> EvalConfig:
+        for name in ("num_speculative_tokens", "concurrency"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"eval.{name} lists a value twice: {values}")
+        if 1 not in self.concurrency:
+            raise ValueError(f"eval.concurrency must include 1 (batch size 1): {self.concurrency}")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError("eval.ngram_prompt_lookup_min is above ngram_prompt_lookup_max")
+        return self
+
+
+class MachineProfile(StrictModel):
+    """A machine the planner prices: its rates for each phase, and its hourly cost."""
+
+    name: str
+    generate_tokens_per_s: float = Field(gt=0)  # generated tokens/s at generate.concurrency
+    extract_tokens_per_s: float = Field(gt=0)  # tokens/s through the verifier's forward pass
+    train_steps_per_s: float = Field(gt=0)  # drafter optimizer steps/s at train.num_devices
+    hourly_usd: float | None = Field(default=None, ge=0)
+
+
+class PlanConfig(StrictModel):
+    """The planner's assumptions; a pilot run's manifests replace the measurable ones."""
+
+    # Hidden-state tokens per prompt read: the sum over its training rows (one per assistant
+    # turn, each with its context).
+    tokens_per_sample: PositiveInt = 1024
+    completion_tokens_per_sample: PositiveInt = 512
+    train_tokens_per_step: PositiveInt = 4096
+    # Free space to plan against; None measures the volume that holds run.output_dir.
+    target_volume_free_tb: float | None = Field(default=None, ge=0)
+    link_gbps: float = Field(default=5, gt=0)  # to a rental machine
+    link_efficiency: float = Field(default=0.7, gt=0, le=1)
+    # The first machine is the one this profile runs on; measured rates apply to it.
+    machines: list[MachineProfile] = Field(min_length=1)
+
+
+# Data licenses a published drafter may be trained on: permissive ones, no copyleft, no
+# non-commercial, no no-derivatives terms. A profile widens or narrows this list.
+PERMISSIVE_LICENSES = (
+    "MIT",
+    "Apache-2.0",
+    "BSD-2-Clause",
+    "BSD-3-Clause",
+    "ISC",
+    "0BSD",
+    "Unlicense",
+    "CC0-1.0",
+    "CC-BY-4.0",
+    "ODC-By-1.0",
+)
+
+
+class ReleaseConfig(StrictModel):
+    """The license check, the model card and publishing to the Hub."""
+
+    # The committed license manifest: every data source and verifier, with evidence.
+    licenses_file: Path = Path("release/licenses.yaml")
+    # SPDX ids a data source may carry (an OR picks any allowed branch, an AND needs all).
+    allowed_licenses: list[str] = Field(default_factory=lambda: list(PERMISSIVE_LICENSES))
+    # Non-commercial data (CC-BY-NC-*) fails the check unless this is set; the drafter's
+    # license then becomes non-commercial too.
+    allow_non_commercial: bool = False
+    # The Hub repository `make publish` pushes to: "<namespace>/<name>".
+    repo_id: str | None = Field(default=None, pattern=HUB_REPO_ID)
+    private: bool = True
+    revision: str = "main"
+
+
+class Profile(StrictModel):
+    run: RunConfig
+    verifier: VerifierConfig
+    server: ServerConfig = ServerConfig()
+    data: DataConfig
+    generate: GenerateConfig = GenerateConfig()
+    extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    release: ReleaseConfig = ReleaseConfig()
+    plan: PlanConfig
+
+    @model_validator(mode="after")
+    def _check(self) -> Profile:
+        if self.extract.max_seq_len > self.server.max_model_len:
+            raise ValueError(
+                f"extract.max_seq_len={self.extract.max_seq_len} exceeds "
+                f"server.max_model_len={self.server.max_model_len}"
+            )
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class ConfigError(PipelineError, ValueError):
+    """A profile that does not validate; the message names the file, the field and the fix."""
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid profile ({err.error_count()} error(s))"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that rejects a key given twice (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: key {key!r} is given twice; keep one"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``: mappings merge key by key; lists and scalars replace."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _profile_tree(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A profile file as a mapping, with ``extends: <file>`` (relative to it) resolved."""
+    if not path.is_file():
+        raise ConfigError(f"profile {path} does not exist; profiles live in configs/*.yaml")
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: `extends` loops back to itself")
+    try:
+        tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a profile is a YAML mapping of sections")
+    base = tree.pop("extends", None)
+    if base is None:
+        return tree
+    return _merged(_profile_tree(path.parent / str(base), (*chain, path.resolve())), tree)
+
+
+def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Profile:
+    """Load a YAML profile (and the one it ``extends``), apply ``section.field=value``
+    overrides, validate."""
+    path = Path(path)
+    tree = _profile_tree(path)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return Profile.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(str(path), err)) from None

@@ -1,0 +1,190 @@
+"""The contract between stages: what each stage's manifest promises, and what each one reads.
+
+Every stage is declared once, in :data:`CONTRACTS`: the pydantic model of the ``outputs`` of its
+``manifest.json`` and the stages whose manifests it reads. ``write_manifest`` validates a
+stage's outputs against its model and records the sha256 of each declared input's manifest;
+``read_input`` refuses an undeclared input, a manifest that does not match its contract, and a
+stale one (an input rerun since it was read). One mechanism covers every staleness: a rerun
+stage writes a new manifest, and every manifest made from the old one no longer matches it.
+
+Field names are those of the JSON files; models forbid unknown fields, so a typo or a manifest
+from another version of the contract is an error naming the stage to rerun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Outputs(BaseModel):
+    """The ``outputs`` of one stage's manifest; paths are relative to the stage folder unless
+    they name a model or checkpoint folder (absolute once read on this machine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class VerifierOutputs(Outputs):
+    model: str  # the folder or Hub id every stage serves
+    revision: str | None
+    built: bool
+    recipe_version: int | None
+    hidden_size: int
+    num_hidden_layers: int
+    capture_layer_ids: list[int]
+    chat_template_sha256: str
+    # Only for the verifier the project builds itself.
+    train_tokens: int | None = None
+    parameters: int | None = None
+    final_loss: float | None = None
+    first_loss: float | None = None
+    greedy_check: dict[str, Any] | None = None
+    corpus: dict[str, Any] | None = None
+    corpus_rows: int | None = None
+    vocab_size: int | None = None
+
+
+class GenerateOutputs(Outputs):
+    responses: str
+    skipped: str
+    sampling: dict[str, Any]
+    replicas: list[dict[str, Any]]
+
+
+class LicensesOutputs(Outputs):
+    passed: bool
+    report: str
+    drafter_license: dict[str, Any] | None
+
+
+class ExtractOutputs(Outputs):
+    mode: Literal["offline", "online"]
+    prepared: str
+    hidden_states: str
+    token_freq: str
+    captured_layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    bytes_per_token: int
+    rows: int
+    tokens: int
+    loss_tokens: int
+    truncated: int
+    files: int
+    hidden_state_bytes: int
+    file_bytes: int
+    expected_hidden_state_bytes: int
+
+
+class TrainOutputs(Outputs):
+    drafter: str
+    checkpoint: str
+    drafter_sha256: dict[str, str]
+    global_steps: int | None
+    val_metrics: dict[str, Any] | None
+    draft_vocab_size: int
+    device: Literal["cpu", "accelerator"]
+    distributed: bool | None
+    world_size: int | None
+    command: list[str]
+    hidden_states: dict[str, Any]
+    verifier: dict[str, Any]
+
+
+class EvalOutputs(Outputs):
+    results: str
+    summary: dict[str, Any]
+    # What was measured; None for a running deployment (server.base_url).
+    drafter_sha256: dict[str, str] | None
+
+
+class CardOutputs(Outputs):
+    card: str
+    repo_id: str
+    license: dict[str, Any] | None
+    drafter_sha256: dict[str, str]
+    plots: list[str]
+
+
+class PublishOutputs(Outputs):
+    mode: Literal["push", "dry-run"]
+    token: str | None = None  # dry run: where a push would take the token from
+    user: str | None = None
+    pushed: bool | None = None
+    changed: list[str] | None = None
+    commit: dict[str, Any] | None = None
+    remote_head: str | None = None
+    remote_check: dict[str, int] | None = None
+    release: str
+    repo_id: str | None
+    revision: str
+    private: bool
+    files: dict[str, dict[str, Any]]
+    drafter_sha256: dict[str, str]
+    license: dict[str, Any] | None
+    data: list[dict[str, Any]]
+
+
+class BenchOutputs(Outputs):
+    results: str
+    table: str
+
+
+OutputsT = TypeVar("OutputsT", bound=Outputs)
+
+
+class InputRecord(BaseModel):
+    """One input a stage read: its manifest, and that file's sha256 when the stage finished."""
+
+    model_config = ConfigDict(extra="forbid")
+    manifest: str
+    sha256: str
+
+
+class Manifest(BaseModel, Generic[OutputsT]):
+    """A finished stage's ``manifest.json``, as read back on this machine."""
+
+    model_config = ConfigDict(extra="forbid")
+    stage: str
+    run: str
+    started_at: str
+    finished_at: str
+    wall_time_s: float
+    git: dict[str, Any]
+    packages: dict[str, str]
+    hardware: dict[str, Any]
+    inputs: dict[str, InputRecord]
+    data_revision: dict[str, Any]
+    counts: dict[str, Any]
+    bytes: int
+    outputs: OutputsT
+    config: dict[str, Any]
+    relative_paths: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Contract:
+    outputs: type[Outputs]
+    inputs: tuple[str, ...]
+    target: str  # the Make target that writes the folder
+
+
+# In pipeline order; the folder of each is <run>/<name>. `bench` measures and feeds nothing.
+CONTRACTS: dict[str, Contract] = {
+    "verifier": Contract(VerifierOutputs, (), "verifier"),
+    "generate": Contract(GenerateOutputs, ("verifier",), "generate"),
+    "licenses": Contract(LicensesOutputs, ("generate",), "licenses"),
+    "extract": Contract(ExtractOutputs, ("verifier", "generate"), "extract"),
+    "train": Contract(TrainOutputs, ("verifier", "extract"), "train"),
+    "eval": Contract(EvalOutputs, ("verifier", "generate", "train"), "eval"),
+    "card": Contract(
+        CardOutputs, ("verifier", "generate", "licenses", "extract", "train", "eval"), "card"
+    ),
+    "publish": Contract(
+        PublishOutputs, ("generate", "licenses", "train", "eval", "card"), "publish"
+    ),
+    "bench": Contract(BenchOutputs, ("verifier",), "bench"),
+}
+STAGES = tuple(name for name in CONTRACTS if name != "bench")

