@@ -11,15 +11,15 @@ Invariants:
 - metadata go through huggingface_hub's ModelCardData: the license derived by the license check
   (the verifier's, never typed here), base_model, the Hub datasets the rows came from, tags,
   and the headline eval results as model-index entries;
-- the card refuses to render from a failed or stale license check, or from eval results of
-  another drafter checkpoint than train's (sha256 of its files);
+- the card refuses to render from a failed license check, from any stale input (a license
+  check of other data, an eval of another training run: ``pipeline.core.contracts``), and from
+  eval results of other drafter files than those in train's folder (sha256 of its files);
 - it names no path of the machine that built it: the verifier by its Hub id, or, when the
   verifier is local (the tiny profile builds its own), says so and serves it from the run folder;
-- the data section shows how the prompts were sampled when generate recorded it (manifests
-  written before that have no ``sampling`` and get no sampling lines);
+- the data section shows how the prompts were sampled, as generate recorded it;
 - the rendered card must reload with ``ModelCard.load`` to the same metadata;
-- the manifest records the drafter checkpoint (sha256) and repo id the card describes, so that
-  publish can refuse a card that belongs to another checkpoint or repository.
+- the manifest records the drafter checkpoint (sha256) and repo id the card describes; publish
+  refuses a card made from another eval (stale) or for another repository.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from pipeline.core.atomic_files import atomic_write_bytes
 from pipeline.core.config import Profile
 from pipeline.core.contracts import CONTRACTS, CardOutputs, Manifest
+from pipeline.core.drafter import drafter_digest
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import (
     all_succeeded,
@@ -211,6 +212,11 @@ def run(profile: Profile) -> dict[str, Any]:
         raise CardError(
             "eval measured a running deployment (server.base_url), not this run's drafter; "
             "run `make eval` without BASE_URL before `make card`"
+        )
+    if evaluated != drafter_digest(Path(m["train"].outputs.drafter)):
+        raise CardError(
+            "the eval results belong to another drafter checkpoint than the one in train's "
+            "folder (its files changed since): rerun `make eval`, then `make card`"
         )
     plots = results.get("plots", [])
     for plot in plots:

@@ -49,7 +49,14 @@ from pipeline.core.atomic_files import atomic_write_bytes
 from pipeline.core.config import Profile
 from pipeline.core.contracts import GenerateOutputs
 from pipeline.core.errors import PipelineError
-from pipeline.core.manifest import now, read_input, stage_dir, write_manifest
+from pipeline.core.manifest import (
+    StageInputError,
+    now,
+    read_input,
+    read_manifest,
+    stage_dir,
+    write_manifest,
+)
 from pipeline.core.progress import progress
 from pipeline.core.prompts import PromptRow, PromptSet, data_revision, load_prompt_set
 from pipeline.core.responses import ResponseRecord, complete_records, read_responses
@@ -78,7 +85,7 @@ SKIP_DETAIL = {
 
 def finished_ids(path: Path) -> set[str]:
     """Ids already written (a torn last line cut off first)."""
-    return {record.id for record in read_responses(path)}
+    return {record.id for record in read_responses(path, repair=True)}
 
 
 def select_records(folder: Path, wanted: set[str]) -> set[str]:
@@ -91,11 +98,11 @@ def select_records(folder: Path, wanted: set[str]) -> set[str]:
     record in both, never in neither, and duplicates are dropped on the next call.
     """
     main, parked = folder / RESPONSES, folder / UNSELECTED
-    old_parked = complete_records(parked)
+    old_parked = complete_records(parked, repair=True)
     keep: list[bytes] = []
     park: list[bytes] = []
     seen: set[str] = set()
-    for line in [*complete_records(main), *old_parked]:
+    for line in [*complete_records(main, repair=True), *old_parked]:
         if (rid := json.loads(line)["id"]) in seen:
             continue
         seen.add(rid)
@@ -342,6 +349,14 @@ def count_records(prompts: PromptSet, records: list[ResponseRecord]) -> dict[str
     }
 
 
+def finished_replicas(profile: Profile) -> list[dict[str, Any]]:
+    """What the replicas did in the run that wrote the current manifest; [] without one."""
+    try:
+        return read_manifest(profile, "generate")["outputs"].get("replicas", [])
+    except StageInputError:
+        return []
+
+
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
     verifier = read_input(profile, "generate", "verifier").outputs
@@ -367,8 +382,10 @@ def run(profile: Profile) -> dict[str, Any]:
                 replicas, last_error = asyncio.run(regenerate_all(profile, eps, todo, writer))
         finally:
             writer.close()
+    else:  # nothing asked: the shares are the finished run's, whose manifest then stands
+        replicas = finished_replicas(profile)
     # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
-    records = list(read_responses(out))
+    records = list(read_responses(out, repair=True))
     write_skipped(folder / SKIPPED, prompts, records)
     counts = count_records(prompts, records)
     if counts["failed"]:

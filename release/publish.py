@@ -9,9 +9,11 @@ the verifier's LICENSE, plots, eval results, the license report, every stage's m
 ``manifest.json``. Without ``--push`` it is a dry run: it prints what would be pushed, and where.
 
 Invariants:
-- it refuses, naming the reason and the fix, when the license check failed or is stale, when the
-  eval results or the card belong to another checkpoint (sha256 of the drafter's files), when
-  the card was rendered for another repository, and, to push, when no token is available;
+- it refuses, naming the reason and the fix, when the license check failed, when any input is
+  stale (a license check of other data, an eval of another training run, a card of another
+  eval: ``pipeline.core.contracts``), when the drafter's files are not the ones train hashed or
+  eval measured, when the card was rendered for another repository, and, to push, when no
+  token is available;
 - the token comes from the environment (HF_TOKEN) or the HF cache, through huggingface_hub, and
   goes only into the Authorization header of its requests: no file, log, card or manifest
   written here holds it;

@@ -62,7 +62,9 @@ def test_a_stage_rerun_makes_every_manifest_made_from_it_stale(profile):
     finish(profile, "generate")
     finish(profile, "licenses")
     assert read_input(profile, "card", "licenses").outputs.passed is False  # current: readable
-    finish(profile, "generate")  # rerun: a new manifest, so the license check is of old data
+    rerun = json.loads(manifest_path(profile, "generate").read_text())
+    rerun["counts"]["input"] = 2  # rerun with another result: the license check is of old data
+    manifest_path(profile, "generate").write_text(json.dumps(rerun))
     with pytest.raises(StageInputError) as info:
         read_input(profile, "card", "licenses")
     message = str(info.value)
@@ -101,3 +103,38 @@ def test_write_manifest_takes_only_the_stage_s_own_outputs(profile):
             counts={},
             outputs=GenerateOutputs(responses="r", skipped="s", sampling={}, replicas=[]),
         )
+
+
+def test_staleness_is_checked_up_the_whole_pipeline(profile):
+    """A regenerated data set makes extract stale, so train (made from extract) is refused
+    too, though train's own input manifests are unchanged."""
+    stand_in_manifest(profile, "verifier", model="v")
+    for stage in ("generate", "extract", "train"):
+        finish(profile, stage)
+    assert read_input(profile, "eval", "train")
+    rerun = json.loads(manifest_path(profile, "generate").read_text())
+    rerun["counts"]["input"] = 2  # another result
+    manifest_path(profile, "generate").write_text(json.dumps(rerun))
+    with pytest.raises(StageInputError, match="stage 'extract' of run 'tiny' is stale"):
+        read_input(profile, "eval", "train")
+
+
+def test_a_rerun_with_the_same_result_keeps_its_manifest(profile):
+    stand_in_manifest(profile, "verifier", model="v")
+    first = finish(profile, "generate")
+    before = manifest_path(profile, "generate").read_bytes()
+    again = finish(profile, "generate")
+    assert manifest_path(profile, "generate").read_bytes() == before  # nothing after it stale
+    assert again == first
+
+
+def test_an_input_rerun_while_the_stage_ran_leaves_the_stage_stale(profile):
+    stand_in_manifest(profile, "verifier", model="v")
+    finish(profile, "generate")
+    read_input(profile, "licenses", "generate")  # the stage reads its input ...
+    rerun = json.loads(manifest_path(profile, "generate").read_text())
+    rerun["counts"]["input"] = 2
+    manifest_path(profile, "generate").write_text(json.dumps(rerun))  # ... which is rerun ...
+    finish(profile, "licenses")  # ... before the stage finishes: it records what it read
+    with pytest.raises(StageInputError, match="stage 'licenses' of run 'tiny' is stale"):
+        read_input(profile, "card", "licenses")

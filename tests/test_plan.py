@@ -136,7 +136,8 @@ def test_measured_figures_are_per_prompt_read_across_skips_and_multi_turn_rows(t
 
 
 def test_a_generate_rerun_that_found_all_done_measures_no_rate(tmp_path):
-    """Its counts cover the whole file but its wall time is a moment: no rate from it."""
+    """Its counts cover the whole file but its wall time is a moment (a run that crashed after
+    its last record, before its manifest): no rate from it."""
     profile = load_profile(TINY, [f"run.output_dir={tmp_path}"])
     finished_stage(
         profile,
@@ -144,7 +145,8 @@ def test_a_generate_rerun_that_found_all_done_measures_no_rate(tmp_path):
         0.01,
         {"input": 320, "succeeded": 320, "skipped": 0, "failed": 0, "skip_reasons": {},
          "completion_tokens": 32_000},
-        {"responses": "responses.jsonl", "replicas": []},
+        {"responses": "responses.jsonl", "replicas": [],
+         "sampling": {"method": "all", "by_source": {"a": {"available": 320, "sampled": 320}}}},
     )  # fmt: skip
     plan = build_plan(profile)
     assert plan["completion_tokens_per_sample"].value == 100

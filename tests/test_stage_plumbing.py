@@ -256,3 +256,14 @@ def test_reply_skip_policy(content, reasoning, finish, overrides, reason):
 
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     assert skip_reason(profile, content, reasoning, finish) == reason
+
+
+def test_only_generate_cuts_a_torn_record_other_readers_refuse_it(tmp_path):
+    from pipeline.core.responses import ResponsesError, read_responses
+
+    path = tmp_path / "responses.jsonl"
+    path.write_bytes(b'{"id": "a", "source": "s", "conversations": []}\n{"id": "b", "conv')
+    with pytest.raises(ResponsesError, match=r"ends in a torn record.*rerun `make generate`"):
+        list(read_responses(path))
+    assert path.read_bytes().endswith(b'"conv')  # a reader leaves generate's file as it is
+    assert finished_ids(path) == {"a"}  # generate, which owns it, cuts the torn record off

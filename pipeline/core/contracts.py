@@ -4,8 +4,11 @@ Every stage is declared once, in :data:`CONTRACTS`: the pydantic model of the ``
 ``manifest.json`` and the stages whose manifests it reads. ``write_manifest`` validates a
 stage's outputs against its model and records the sha256 of each declared input's manifest;
 ``read_input`` refuses an undeclared input, a manifest that does not match its contract, and a
-stale one (an input rerun since it was read). One mechanism covers every staleness: a rerun
-stage writes a new manifest, and every manifest made from the old one no longer matches it.
+stale one: one whose recorded inputs (or theirs, up the pipeline) have been rewritten since it
+read them. A rerun that changes its stage's result writes a new manifest, so everything made
+from the old one turns stale; a rerun that comes to the same result keeps the old manifest.
+An input whose manifest is gone (removed, or not copied with a run) cannot be compared and is
+not held against the stage.
 
 Field names are those of the JSON files; models forbid unknown fields, so a typo or a manifest
 from another version of the contract is an error naming the stage to rerun.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -45,6 +46,10 @@ TRACKED_PACKAGES = (
     "lm_eval",
     "eagle3-release",
 )
+
+
+# sha256 of each manifest as this process read it, by path: what a stage here was made from.
+_READ: dict[Path, str] = {}
 
 
 class StageInputError(PipelineError):
@@ -111,24 +116,28 @@ def _target(stage: str) -> str:
     return f"`make {CONTRACTS[stage].target} CONFIG=...`"
 
 
-def read_manifest(profile: Profile, stage: str) -> dict[str, Any]:
-    """The manifest of a finished stage as JSON, paths resolved on this machine, or an error
-    saying which target produces it."""
+def _load(profile: Profile, stage: str) -> tuple[dict[str, Any], str]:
+    """A finished stage's manifest as JSON (paths resolved on this machine) and the sha256 of
+    the bytes it was parsed from; an error saying which target produces it."""
     path = manifest_path(profile, stage)
     if not path.is_file():
         raise StageInputError(
             f"stage {stage!r} has not finished for run {profile.run.name!r}: {path} is missing; "
             f"run {_target(stage)} (or `make hero-run`) first"
         )
-    return resolved(profile, json.loads(path.read_text()))
+    data = path.read_bytes()
+    return resolved(profile, json.loads(data)), hashlib.sha256(data).hexdigest()
 
 
-def stage_manifest(profile: Profile, stage: str) -> Manifest[Any]:
-    """A finished stage's manifest, typed by its contract and checked fresh: each input it
-    recorded still has the manifest it was made from (else it is stale: rerun it)."""
-    raw = read_manifest(profile, stage)
+def read_manifest(profile: Profile, stage: str) -> dict[str, Any]:
+    """The manifest of a finished stage as JSON, paths resolved on this machine, or an error
+    saying which target produces it."""
+    return _load(profile, stage)[0]
+
+
+def _typed(profile: Profile, stage: str, raw: dict[str, Any]) -> Manifest[Any]:
     try:
-        manifest = Manifest[CONTRACTS[stage].outputs].model_validate(raw)
+        return Manifest[CONTRACTS[stage].outputs].model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
@@ -137,13 +146,33 @@ def stage_manifest(profile: Profile, stage: str) -> Manifest[Any]:
             f"({where}: {first['msg']}); it was written by another version of the pipeline: "
             f"rerun {_target(stage)}"
         ) from None
+
+
+def _check_fresh(profile: Profile, stage: str, manifest: Manifest[Any], seen: set[str]) -> None:
+    """Each input ``stage`` recorded still has the manifest it was made from, and so on up the
+    pipeline; an input whose manifest is gone (not copied, removed) cannot be compared."""
     for name, record in manifest.inputs.items():
         path = manifest_path(profile, name)
-        if path.is_file() and sha256_file(path) != record.sha256:
+        if not path.is_file():
+            continue
+        if sha256_file(path) != record.sha256:
             raise StageInputError(
                 f"stage {stage!r} of run {profile.run.name!r} is stale: its input {name!r} was "
                 f"rerun after it finished; rerun {_target(stage)} (and the stages after it)"
             )
+        if name not in seen:
+            seen.add(name)
+            _check_fresh(profile, name, _typed(profile, name, read_manifest(profile, name)), seen)
+
+
+def stage_manifest(profile: Profile, stage: str) -> Manifest[Any]:
+    """A finished stage's manifest, typed by its contract and checked fresh: each input it
+    recorded (and theirs, up the pipeline) still has the manifest it was made from; else it is
+    stale: rerun it."""
+    raw, digest = _load(profile, stage)
+    manifest = _typed(profile, stage, raw)
+    _check_fresh(profile, stage, manifest, set())
+    _READ[manifest_path(profile, stage).absolute()] = digest
     return manifest
 
 
@@ -174,14 +203,29 @@ def all_succeeded(n: int) -> dict[str, int]:
 
 
 def input_records(profile: Profile, stage: str) -> dict[str, InputRecord]:
-    """The sha256 of each declared input's manifest as it is now (each one was just read)."""
+    """The sha256 of each declared input's manifest as this process read it (as it is now, for
+    one it did not read): an input rerun while the stage ran leaves the stage stale."""
     records = {}
     for name in CONTRACTS[stage].inputs:
         path = manifest_path(profile, name)
         if not path.is_file():
             raise StageInputError(f"{path} vanished while stage {stage!r} ran: rerun it")
-        records[name] = InputRecord(manifest=str(path), sha256=sha256_file(path))
+        digest = _READ.get(path.absolute()) or sha256_file(path)
+        records[name] = InputRecord(manifest=str(path), sha256=digest)
     return records
+
+
+def unchanged(profile: Profile, stage: str, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The finished manifest of ``stage`` when a rerun came to the same result (inputs,
+    outputs, counts, data revision) as ``manifest``: kept as it is, so that nothing made from
+    it turns stale; None when there is none, or the result differs."""
+    try:
+        previous = read_manifest(profile, stage)
+    except StageInputError:
+        return None
+    keys = ("inputs", "outputs", "counts", "data_revision")
+    same = all(previous.get(k) == manifest[k] for k in keys)
+    return previous if same else None
 
 
 def write_manifest(
@@ -217,7 +261,10 @@ def write_manifest(
         "config": profile.dump(),
     }
     written = portable(profile, manifest)
+    if kept := unchanged(profile, stage, resolved(profile, json.loads(json.dumps(written)))):
+        return kept
     atomic_write_json(folder / "manifest.json", written)
+    _READ.pop((folder / "manifest.json").absolute(), None)  # what this process read is gone
     return resolved(profile, written)
 
 

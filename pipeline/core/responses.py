@@ -6,8 +6,9 @@ is open-perfectblend's schema plus what generate adds: ``id``, ``source``, ``con
 (turns ``{"from": "human"|"gpt"|"system", "value": ...}``, empty for a skipped prompt),
 ``skip_reason`` (None when kept) and ``usage``.
 
-Invariant: a torn last line (a crash mid-write) is cut off, with a warning, before anything is
-read; any other line that is not a record stops the reader with its file and line number.
+Invariant: a torn last line (a crash mid-write) is cut off, with a warning, by generate, which
+owns the file; any other reader, and any line that is not a record, stops with the file and the
+record's number.
 """
 
 from __future__ import annotations
@@ -45,12 +46,18 @@ class ResponseRecord(BaseModel):
         return [t["value"] for t in self.conversations if t.get("from") == speaker]
 
 
-def complete_records(path: Path) -> list[bytes]:
-    """The file's record lines; a torn (partial) last line from a crash is cut off first."""
+def complete_records(path: Path, *, repair: bool = False) -> list[bytes]:
+    """The file's record lines. A torn (partial) last line from a crash is cut off first when
+    ``repair`` (generate, which owns the file and regenerates that record), else an error."""
     if not path.exists():
         return []
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
+        if not repair:
+            raise ResponsesError(
+                f"{path} ends in a torn record (a crash while writing it); rerun "
+                "`make generate`, which cuts it off and regenerates it"
+            )
         cut = data.rfind(b"\n") + 1
         log.warning("dropping a torn last record in %s (%d bytes)", path, len(data) - cut)
         with open(path, "r+b") as fh:
@@ -60,9 +67,10 @@ def complete_records(path: Path) -> list[bytes]:
     return [line for line in data.splitlines() if line.strip()]
 
 
-def read_responses(path: Path) -> Iterator[ResponseRecord]:
-    """Each record of ``path`` in file order; a malformed line is an error naming it."""
-    for number, line in enumerate(complete_records(path), 1):
+def read_responses(path: Path, *, repair: bool = False) -> Iterator[ResponseRecord]:
+    """Each record of ``path`` in file order; a malformed line is an error naming it (a torn
+    last line too, unless ``repair``: see :func:`complete_records`)."""
+    for number, line in enumerate(complete_records(path, repair=repair), 1):
         try:
             yield ResponseRecord.model_validate(json.loads(line))
         except (ValueError, ValidationError) as err:

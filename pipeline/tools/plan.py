@@ -57,11 +57,8 @@ def _manifest(profile: Profile, stage: str) -> Manifest[Any] | None:
 
 def prompts_read(generate: Manifest[GenerateOutputs]) -> int:
     """The prompts a finished generate read: what data.max_samples drew (its sampling record),
-    the same number ``planned_samples`` plans; without one, counts.input."""
-    sampling = generate.outputs.sampling
-    if sampling:
-        return sum(s["sampled"] for s in sampling["by_source"].values())
-    return generate.counts["input"]
+    the same number ``planned_samples`` plans."""
+    return sum(s["sampled"] for s in generate.outputs.sampling["by_source"].values())
 
 
 def measured_or_assumed(profile: Profile) -> dict[str, Figure]:

@@ -12,6 +12,7 @@ run's trained drafter at the k eval measured best (else the largest k eval sweep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 from pipeline.core.cli import stage_parser
 from pipeline.core.config import Profile, load_profile
 from pipeline.core.errors import PipelineError
-from pipeline.core.manifest import manifest_path, stage_manifest
+from pipeline.core.manifest import StageInputError, stage_manifest
 from pipeline.core.model_names import verifier_path
 from pipeline.serving.speculative import speculative_config
 from pipeline.serving.vllm_api import server_command, server_env
@@ -31,7 +32,8 @@ def drafter_speculative_config(profile: Profile, k: int | None) -> dict[str, Any
     drafter = stage_manifest(profile, "train").outputs.drafter
     if k is None:
         k = max(profile.eval.num_speculative_tokens)
-        if manifest_path(profile, "eval").exists():
+        # The k eval measured best, when eval measured this drafter (it may be stale, or not run).
+        with contextlib.suppress(StageInputError):
             k = stage_manifest(profile, "eval").outputs.summary["num_speculative_tokens"]
     return speculative_config(profile, "eagle3", k, drafter)
 
