@@ -35,6 +35,23 @@ def extract(overrides: list[str]) -> subprocess.Popen:
     )
 
 
+def finished(proc: subprocess.Popen, timeout: float, folder: Path) -> str:
+    """The stage's stderr once it exits; past ``timeout`` it is killed (its servers die with
+    it) and the test fails with the tails of its logs, so that a hang says where it hung."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        tails = [
+            f"--- {log.name}:\n" + "".join(log.read_text(errors="replace").splitlines(True)[-25:])
+            for log in sorted(folder.glob("*.log"))
+        ]
+        pytest.fail(
+            f"extract still running after {timeout} s\n{stderr[-3000:]}\n" + "\n".join(tails)
+        )
+
+
 def shard_inodes(hs_dir: Path) -> dict[str, int]:
     return {p.name: p.stat().st_ino for p in hs_dir.glob("hs_*.safetensors")}
 
@@ -58,7 +75,7 @@ def test_full_disk_stops_cleanly_and_a_rerun_resumes(tiny_run, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         ballast = fill_volume(volume, leave_bytes=2 * 2**20)
-        _, stderr = proc.communicate(timeout=300)
+        stderr = finished(proc, 300, profile.run.run_dir / "extract")
         assert proc.returncode == 2, stderr
         assert "not enough disk for hidden states" in stderr, stderr
         assert "shards are written and kept" in stderr and "free at least" in stderr
@@ -73,7 +90,7 @@ def test_full_disk_stops_cleanly_and_a_rerun_resumes(tiny_run, tmp_path):
 
         ballast.unlink()
         proc = extract(overrides)
-        _, stderr = proc.communicate(timeout=600)
+        stderr = finished(proc, 600, profile.run.run_dir / "extract")
         assert proc.returncode == 0, stderr
         manifest = json.loads((profile.run.run_dir / "extract" / "manifest.json").read_text())
         out = manifest["outputs"]
