@@ -88,13 +88,14 @@ def write_conversations(responses: Path, out: Path) -> dict[str, int]:
 SERVER_ANSWER = re.compile(r"(?:endpoint returned|Error code:) (\d{3})(?::| -) (.*)")
 
 
-def speculators_cli(*args: str, log_path: Path, server: str) -> None:
-    """Run a speculators command; when it failed because ``server`` answered with an HTTP
-    error (found in its log), say that on one line instead of quoting its traceback."""
+def speculators_cli(*args: str, log_path: Path, server: str, **bounds: Any) -> None:
+    """Run a speculators command (``bounds``: run_logged's ``progress`` and ``stall_s``); when
+    it failed because ``server`` answered with an HTTP error (found in its log), say that on one
+    line instead of quoting its traceback."""
     cmd = [sys.executable, "-m", "speculators", *args]
     start = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to
     try:
-        run_logged(cmd, log_path, ExtractError, f"speculators {args[0]}")
+        run_logged(cmd, log_path, ExtractError, f"speculators {args[0]}", **bounds)
     except ExtractError:
         with open(log_path, "rb") as fh:
             fh.seek(start)
@@ -170,6 +171,14 @@ def count_shards(hs_dir: Path) -> int:
     return sum(1 for _ in hs_dir.glob("hs_*.safetensors")) if hs_dir.exists() else 0
 
 
+def stall_bound(profile: Profile) -> float:
+    """How long generate-offline-data may go without a new shard before it counts as hung
+    (seen once the volume filled: speculators' workers stopped, its event loop idle): every
+    attempt of a request timing out, and a minute more."""
+    g = profile.generate
+    return g.request_timeout_s * (g.max_retries + 1) + 60
+
+
 def store_hidden_states(
     profile: Profile, endpoint: Endpoint, folder: Path, stats: dict[str, int], expected: int
 ) -> dict[str, int]:
@@ -195,6 +204,8 @@ def store_hidden_states(
                 *validate,
                 log_path=folder / "generate-offline-data.log",
                 server=endpoint.v1,
+                progress=lambda: count_shards(hs_dir),
+                stall_s=stall_bound(profile),
             )  # fmt: skip
     except ExtractError as err:
         failure: ExtractError | None = err

@@ -68,3 +68,31 @@ def test_a_failing_tool_is_one_error_with_its_status_and_log(tmp_path):
         )  # fmt: skip
     run_logged([sys.executable, "-c", "print('yes')"], log_path, PipelineError, "tool")
     assert log_path.read_text().splitlines() == ["no", "yes"]
+
+
+# A tool with a worker of its own that produces three files in argv[2], then hangs.
+HUNG_TOOL = """
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(f"{os.getpid()} {worker.pid}")
+for i in range(3):
+    open(os.path.join(sys.argv[2], str(i)), "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_tool_that_stops_making_progress_is_stopped_with_its_workers(tmp_path):
+    """A hung tool (speculators' data generation once the volume filled) is not waited on for
+    ever: once what it produces stands still for stall_s, it and its workers are stopped."""
+    pids, produced = tmp_path / "pids", tmp_path / "produced"
+    produced.mkdir()
+    started = time.monotonic()
+    with pytest.raises(PipelineError, match=r"^tool made no progress for 3 s and was stopped"):
+        run_logged(
+            [sys.executable, "-c", HUNG_TOOL, str(pids), str(produced)], tmp_path / "tool.log",
+            PipelineError, "tool", progress=lambda: len(list(produced.iterdir())), stall_s=3,
+        )  # fmt: skip
+    assert time.monotonic() - started < 60
+    assert len(list(produced.iterdir())) == 3
+    ids = [int(pid) for pid in pids.read_text().split()]  # tool, worker
+    assert alive_after([psutil.Process(pid) for pid in ids if psutil.pid_exists(pid)], 10) == []
