@@ -152,17 +152,17 @@ def _check_fresh(profile: Profile, stage: str, manifest: Manifest[Any], seen: se
     """Each input ``stage`` recorded still has the manifest it was made from, and so on up the
     pipeline; an input whose manifest is gone (not copied, removed) cannot be compared."""
     for name, record in manifest.inputs.items():
-        path = manifest_path(profile, name)
-        if not path.is_file():
+        if not manifest_path(profile, name).is_file():
             continue
-        if sha256_file(path) != record.sha256:
+        raw, digest = _load(profile, name)  # read once: hashed, then checked in turn
+        if digest != record.sha256:
             raise StageInputError(
                 f"stage {stage!r} of run {profile.run.name!r} is stale: its input {name!r} was "
                 f"rerun after it finished; rerun {_target(stage)} (and the stages after it)"
             )
         if name not in seen:
             seen.add(name)
-            _check_fresh(profile, name, _typed(profile, name, read_manifest(profile, name)), seen)
+            _check_fresh(profile, name, _typed(profile, name, raw), seen)
 
 
 def stage_manifest(profile: Profile, stage: str) -> Manifest[Any]:
