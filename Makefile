@@ -37,6 +37,8 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/cpu.lock
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# The project itself, editable and without dependencies: registers its vLLM plugin.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, transformers, vllm, speculators; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
 

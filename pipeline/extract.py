@@ -63,6 +63,7 @@ from pipeline.serving.extraction import (
 from pipeline.serving.logged_process import run_logged
 from pipeline.serving.vllm_api import Endpoint
 from pipeline.serving.vllm_server import vllm_server
+from pipeline.training.text_view import text_view
 
 SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
 
@@ -290,7 +291,9 @@ def run(profile: Profile) -> dict[str, Any]:
         extra_args=["--enable-scale-out"],  # serves the chat-template render endpoint
         **server_flags(profile, folder / "staging"),
     ) as endpoint:
-        prepare_data(profile, verifier.model, conversations, folder, endpoint.base_url)
+        # speculators gets the verifier's text model when it is a multimodal wrapper (Kimi-K2.5)
+        as_text = text_view(verifier.model, verifier.revision, folder / "verifier-text")
+        prepare_data(profile, as_text, conversations, folder, endpoint.base_url)
         stats = prepared_stats(prepared, profile.extract.max_seq_len)
         expected = stats["tokens"] * bytes_per_token(profile)
         if profile.extract.mode == "online":

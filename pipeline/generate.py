@@ -19,7 +19,10 @@ Invariants:
   over ``server.max_model_len`` (``prompt_too_long``), a reply is empty (``empty_response``), has
   reasoning but no answer (``reasoning_only_response``, unless ``generate.keep_reasoning_only``),
   or stopped at ``generate.max_tokens`` with ``generate.on_truncated: skip``
-  (``truncated_response``); truncated replies are kept and counted by default;
+  (``truncated_response``); truncated replies are kept and counted by default, per source too;
+- each reply is sampled with its own seed, derived from the run seed, the prompt id and the turn
+  (:func:`request_seed`), so that sampling at the verifier's recommended temperature is
+  reproducible however the run is interrupted, resumed or spread over replicas;
 - with ``generate.replica_urls`` the prompts are spread over several running servers, each at
   ``generate.concurrency``, pulled from one queue (a faster or less loaded replica takes more);
   a dead replica's prompts fail after retries and are redone by the rerun;
@@ -38,9 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,7 +163,16 @@ async def sync_until(stop: asyncio.Event, writer: ResponseWriter, every_s: float
         await writer.sync()
 
 
-def request_body(profile: Profile, endpoint: Endpoint, messages: list[dict]) -> dict[str, Any]:
+def request_seed(run_seed: int, row_id: str, turn: int) -> int:
+    """The sampling seed of one reply: fixed by the run seed, the prompt and the turn, so a
+    resumed or resharded run samples each reply as an uninterrupted one would."""
+    digest = hashlib.sha256(f"{run_seed}:{row_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1  # a non-negative 31-bit integer
+
+
+def request_body(
+    profile: Profile, endpoint: Endpoint, messages: list[dict], seed: int
+) -> dict[str, Any]:
     g = profile.generate
     body: dict[str, Any] = {
         "model": endpoint.model,
@@ -166,7 +180,7 @@ def request_body(profile: Profile, endpoint: Endpoint, messages: list[dict]) -> 
         "max_tokens": g.max_tokens,
         "temperature": g.temperature,
         "top_p": g.top_p,
-        "seed": profile.run.seed,
+        "seed": seed,
     }
     if g.chat_template_kwargs:
         body["chat_template_kwargs"] = g.chat_template_kwargs
@@ -203,7 +217,8 @@ async def regenerate_row(
         if message["role"] != "user":
             continue
         try:
-            reply = await client.complete(request_body(profile, endpoint, history))
+            seed = request_seed(profile.run.seed, row.id, len(finish_reasons))
+            reply = await client.complete(request_body(profile, endpoint, history, seed))
         except ServerRejectedError as err:
             if not context_length_exceeded(err.status, err.text):
                 raise
@@ -343,6 +358,10 @@ def count_records(prompts: PromptSet, records: list[ResponseRecord]) -> dict[str
         "failed": len(prompts.rows) - len(records),
         "skip_reasons": {why: reasons.count(why) for why in sorted(set(reasons))},
         "truncated": sum("length" in r.finish_reasons for r in kept),
+        # Replies cut at generate.max_tokens, per source: where max_tokens is too short
+        "truncated_by_source": dict(
+            sorted(Counter(r.source for r in kept if "length" in r.finish_reasons).items())
+        ),
         "with_reasoning": sum(any("reasoning_content" in t for t in r.conversations) for r in kept),
         "prompt_tokens": sum(r.usage["prompt_tokens"] for r in kept),
         "completion_tokens": sum(r.usage["completion_tokens"] for r in kept),

@@ -59,6 +59,7 @@ from pipeline.training.launch import (
     trainer_state,
 )
 from pipeline.training.speculators_train import PROGRESS_FILE_ENV
+from pipeline.training.text_view import name_verifier, text_view, verifier_config
 
 
 def data_view(prepared: Path, view: Path) -> Path:
@@ -74,9 +75,10 @@ def data_view(prepared: Path, view: Path) -> Path:
 
 
 def extraction_server(
-    profile: Profile, verifier: str, folder: Path, stack: contextlib.ExitStack
+    profile: Profile, verifier: str, folder: Path, stack: contextlib.ExitStack, asked_as: str
 ) -> Endpoint:
-    """Online mode: the verifier served as an extraction server for the whole run."""
+    """Online mode: the verifier served as an extraction server for the whole run, under the
+    name speculators asks for (``asked_as``: the path it was given)."""
     staging = folder / "online-staging"
     clear_staging(staging)
     server = vllm_server(
@@ -84,7 +86,7 @@ def extraction_server(
         verifier,
         folder / "vllm.log",
         use_base_url=False,  # server.base_url is a deployment, not an extraction server
-        served_model_name=verifier,  # the name speculators asks for
+        served_model_name=asked_as,
         **server_flags(profile, staging),
     )
     return stack.enter_context(server)
@@ -149,17 +151,20 @@ def run(profile: Profile) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     prepared = data_view(stage_dir(profile, "extract") / extract.outputs.prepared, folder / "data")
     save = folder / "checkpoints"
+    # speculators gets the verifier's text model when it is a multimodal wrapper (Kimi-K2.5)
+    as_text = text_view(verifier.model, verifier.revision, folder / "verifier-text")
     with contextlib.ExitStack() as stack:
         online = None
         if extract.outputs.mode == "online":
-            online = extraction_server(profile, verifier.model, folder, stack)
+            online = extraction_server(profile, verifier.model, folder, stack, as_text)
         fp8 = extract.outputs.dtype == "float8_e4m3fn"
         online_v1 = online.v1 if online else None
-        cmd = train_command(profile, verifier.model, prepared, save, layers, online_v1, fp8)
+        cmd = train_command(profile, as_text, prepared, save, layers, online_v1, fp8)
         run_trainer(profile, folder, cmd)
         # Tokens the extraction server ran for training: the measured cost of online mode.
         generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
     drafter, config = checked_drafter(save, layers)
+    name_verifier(drafter, verifier.model, verifier_config(verifier.model, verifier.revision))
     portable_drafter(profile, drafter)  # published as evaluated: no path of this machine
     outputs = drafter_outputs(
         drafter, config, folder / "progress.json", cmd, verifier, extract.outputs, generated_tokens

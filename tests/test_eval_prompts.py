@@ -105,15 +105,14 @@ def test_eval_sweeps_are_validated():
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """The tiny verifier's tokenizer and chat template, trained as `make verifier` does (~2 s),
-    with one template variable (``thinking``) to show chat_template_kwargs reach the count."""
-    from pipeline.verifier import CHAT_TEMPLATE, _train_tokenizer
+    """The tiny verifier's tokenizer and chat template, trained as `make verifier` does (~2 s);
+    its template reads ``thinking``, to show chat_template_kwargs reach the count."""
+    from pipeline.verifier.chat_format import train_tokenizer
 
-    profile = load_profile(TINY)
-    lines = Path(profile.verifier.build.corpus).read_text().splitlines()
+    spec = load_profile(TINY).verifier.build
+    lines = Path(spec.corpus).read_text().splitlines()
     texts = [t["value"] for line in lines for t in json.loads(line)["conversations"]]
-    tokenizer = _train_tokenizer(texts, profile.verifier.build)
-    tokenizer.chat_template = CHAT_TEMPLATE + "{% if thinking %}{{ '<think>\\n' }}{% endif %}"
+    tokenizer = train_tokenizer(texts, spec.vocab_size, spec.max_position_embeddings)
     out = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(out)
     return out
@@ -150,8 +149,9 @@ def test_prompts_longer_than_the_context_are_skipped_and_named(tmp_path, tokeniz
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     for p in prompts:
         text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
-        assert text.endswith("<|assistant|>\n")
+                                             tokenize=False,
+                                             **profile.generate.chat_template_kwargs)  # fmt: skip
+        assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>")
         assert counts[p.id] == len(
             tokenizer(text, add_special_tokens=False, verbose=False).input_ids
         )
@@ -186,14 +186,18 @@ def test_no_prompt_that_fits_is_an_error_naming_the_fix(tmp_path, tokenizer_dir)
 
 
 def test_the_count_renders_the_template_with_chat_template_kwargs(tokenizer_dir):
-    plain = load_profile(TINY, [f"eval.question_file={QUESTIONS}"])
-    thinking = load_profile(
-        TINY, [f"eval.question_file={QUESTIONS}", "generate.chat_template_kwargs={thinking: true}"]
-    )
+    def profile(thinking: str):
+        return load_profile(
+            TINY,
+            [f"eval.question_file={QUESTIONS}", f"generate.chat_template_kwargs={{{thinking}}}"],
+        )
+
+    plain, thinking = profile("thinking: false"), profile("thinking: true")
     prompts = load_eval_prompts(plain)
     without = prompt_token_counts(prompts, str(tokenizer_dir), plain)
     with_ = prompt_token_counts(prompts, str(tokenizer_dir), thinking)
-    assert {pid: with_[pid] - n for pid, n in without.items()} == dict.fromkeys(without, 2)
+    # Kimi's template: thinking ends the prompt with <think>, not thinking with <think></think>
+    assert {pid: without[pid] - n for pid, n in with_.items()} == dict.fromkeys(without, 1)
 
 
 def test_a_missing_tokenizer_is_named(tmp_path):

@@ -42,17 +42,32 @@ class RunConfig(StrictModel):
 
 
 class TinyVerifierBuild(StrictModel):
-    """A small Llama the project builds itself: BPE tokenizer + short causal-LM training."""
+    """Kimi-K2.5 in miniature, built by the project: a BPE tokenizer with Kimi's chat format and
+    a DeepSeek-V3 text model (MLA attention, MoE MLP) trained briefly on a shipped corpus."""
 
     corpus: Path  # open-perfectblend-schema JSONL whose text the tokenizer and model learn
     vocab_size: PositiveInt = 2048
-    intermediate_size: PositiveInt = 384
+    intermediate_size: PositiveInt = 384  # the dense first layer's MLP
+    moe_intermediate_size: PositiveInt = 128  # each expert's MLP
+    n_routed_experts: PositiveInt = 8
+    num_experts_per_tok: PositiveInt = 2
     num_attention_heads: PositiveInt = 4
+    q_lora_rank: PositiveInt = 64
+    qk_nope_head_dim: PositiveInt = 32  # also the value head size
     max_position_embeddings: PositiveInt = 1024
     train_steps: PositiveInt = 600
     batch_size: PositiveInt = 16
     seq_len: PositiveInt = 256
     learning_rate: float = Field(default=3e-3, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> TinyVerifierBuild:
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"verifier.build.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"n_routed_experts={self.n_routed_experts}"
+            )
+        return self
 
 
 class VerifierConfig(StrictModel):
@@ -80,8 +95,6 @@ class VerifierConfig(StrictModel):
                 f"capture_layer_ids {ids} must lie in [0, {self.num_hidden_layers - 1}] "
                 f"for a verifier with num_hidden_layers={self.num_hidden_layers}"
             )
-        if self.build is not None and self.hidden_size % self.build.num_attention_heads:
-            raise ValueError("verifier.hidden_size must be divisible by build.num_attention_heads")
         return self
 
 
@@ -137,6 +150,9 @@ class ServerConfig(StrictModel):
     # VLLM_CPU_KVCACHE_SPACE in GiB; only read by the CPU build of vLLM.
     cpu_kv_cache_gib: PositiveInt | None = None
     reasoning_parser: str | None = None
+    # Serve a multimodal verifier's text model only (vLLM's --language-model-only): text
+    # prompts need no vision tower, its memory goes to the KV cache.
+    language_model_only: bool = False
     startup_timeout_s: float = Field(default=900, gt=0)
     extra_args: list[str] = Field(default_factory=list)
 

@@ -99,7 +99,8 @@ def package_versions() -> dict[str, str]:
 
 
 def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    """Bytes of the files a stage wrote: its links to other stages' files (views) not counted."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def stage_dir(profile: Profile, stage: str) -> Path:

@@ -1,10 +1,11 @@
 """Load prompt sets in open-perfectblend's schema, local or from the Hub, and sample them.
 
 A row is ``{"id"?: str, "conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...],
-"source": str}``. A local JSONL file is read line by line here (so that one broken line of a
-million is named by its 1-based line number, not a parser's traceback); parquet files and Hub
-datasets go through ``datasets``, and a Hub id must be pinned by a revision so that the data a
-drafter was trained on can be named exactly.
+"source": str}``; an answer (``gpt``) turn may carry its reasoning as ``"thinking": str``, read as
+the message's ``reasoning_content``. A local JSONL file is read line by line here (so that one
+broken line of a million is named by its 1-based line number, not a parser's traceback); parquet
+files and Hub datasets go through ``datasets``, and a Hub id must be pinned by a revision so that
+the data a drafter was trained on can be named exactly.
 
 Invariants:
 - every input line or row is accounted for: a :class:`PromptRow`, or a :class:`RejectedRow`
@@ -317,7 +318,13 @@ def normalise_row(where: str, row: dict[str, Any]) -> PromptRow:
         value = turn.get("value")
         if not isinstance(value, str) or not value.strip():
             raise PromptDataError(f"{label}: turn {t} has an empty or non-string 'value'")
-        messages.append({"role": role, "content": value})
+        message = {"role": role, "content": value}
+        thinking = turn.get("thinking")
+        if role == "assistant" and thinking is not None:
+            if not isinstance(thinking, str) or not thinking.strip():
+                raise PromptDataError(f"{label}: turn {t} has an empty or non-string 'thinking'")
+            message["reasoning_content"] = thinking
+        messages.append(message)
     if not any(m["role"] == "user" for m in messages):
         raise PromptDataError(f"{label}: no human turn to answer")
     source = row.get("source")

@@ -27,8 +27,10 @@ import httpx
 
 from pipeline.core.config import Profile
 from pipeline.core.errors import PipelineError
+from pipeline.core.manifest import cuda_available
 from pipeline.core.portable import REPO_ROOT
 from pipeline.core.progress import progress
+from pipeline.serving.cpu_workarounds import CPU_SERVER_ARGS, PLUGIN_ENV
 from pipeline.serving.logged_process import log_tail
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,10 @@ def server_args(
         cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.reasoning_parser:
         cmd += ["--reasoning-parser", s.reasoning_parser]
+    if s.language_model_only:
+        cmd.append("--language-model-only")
+    if not cuda_available():
+        cmd += CPU_SERVER_ARGS
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     if kv_transfer_config is not None:
@@ -118,6 +124,8 @@ def vllm_env(profile: Profile) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    if not cuda_available():
+        env[PLUGIN_ENV] = "1"
     if profile.server.cpu_kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.server.cpu_kv_cache_gib)
     if Path(profile.verifier.model or "").is_dir() or profile.verifier.build is not None:

@@ -38,6 +38,7 @@ from pipeline.serving.extraction import reserve_bytes
 from pipeline.serving.logged_process import run_logged
 from pipeline.training.launch import checked_drafter, read_steps, train_command, train_env
 from pipeline.training.speculators_train import PROGRESS_FILE_ENV
+from pipeline.training.text_view import text_model, text_view
 
 log = logging.getLogger(__name__)
 MIN_COSINE = {"float32": 0.9999, "bfloat16": 0.99, "float16": 0.995}
@@ -70,8 +71,6 @@ def check_capture(
     profile: Profile, extract: ExtractOutputs, device: str, shards: int, out: Path
 ) -> dict[str, Any]:
     """``extract``: the extract stage's outputs (its manifest)."""
-    from transformers import AutoModelForCausalLM
-
     from pipeline.serving.hidden_states_connector import write_shard  # imports vLLM: not for a skip
 
     if extract.dtype == "float8_e4m3fn":
@@ -79,12 +78,15 @@ def check_capture(
                             "extract.hidden_states_format=verifier_dtype")  # fmt: skip
     hs_dir = prepared_dir(profile, extract) / "hidden_states"
     dtype = getattr(torch, profile.verifier.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        stage_manifest(profile, "verifier").outputs.model,
+    verifier = stage_manifest(profile, "verifier").outputs
+    model = text_model(
+        verifier.model,
+        verifier.revision,
+        out.parent / "verifier-text",
         dtype=dtype,
         trust_remote_code=profile.verifier.trust_remote_code,
     )
-    model = model.to(device).eval()
+    model = model.to(device)
     floor = MIN_COSINE[profile.verifier.dtype]
     rows, worst = [], 1.0
     out.mkdir(parents=True, exist_ok=True)
@@ -136,9 +138,10 @@ def training_subset(prepared: Path, rows: int, view: Path) -> Path:
 def train_steps(profile: Profile, extract: ExtractOutputs, rows: int, out: Path) -> dict[str, Any]:
     view = training_subset(prepared_dir(profile, extract), rows, out / "data")
     save = out / "checkpoints"
-    verifier = stage_manifest(profile, "verifier").outputs.model
+    verifier = stage_manifest(profile, "verifier").outputs
+    as_text = text_view(verifier.model, verifier.revision, out / "verifier-text")
     layers = extract.captured_layer_ids[:-1]
-    cmd = train_command(profile, verifier, view, save, layers)
+    cmd = train_command(profile, as_text, view, save, layers)
     steps = out / "progress.json"
     env = {**train_env(profile.train), PROGRESS_FILE_ENV: str(steps)}
     run_logged(cmd, out / "train.log", GpuSmokeError, "speculators training", env=env)
