@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.atomic_files import atomic_write_json
+from pipeline.core.drafter import drafter_config
 
 # Files that make AutoProcessor resolve a multimodal processor; the view leaves them out.
 PROCESSOR_FILES = (
@@ -49,12 +50,15 @@ def _snapshot(model: str, revision: str | None) -> Path:
     return folder
 
 
+def _source(model: str, revision: str | None) -> Path:
+    """The verifier's folder: ``model`` itself, or its Hub snapshot."""
+    return Path(model) if Path(model).is_dir() else _snapshot(model, revision)
+
+
 def text_view(model: str, revision: str | None, folder: Path) -> str:
     """The path to hand speculators for ``model``: ``folder`` as its text view when ``model``
     is a multimodal wrapper, else ``model`` itself."""
-    source = Path(model) if Path(model).is_dir() else None
-    if source is None:
-        source = _snapshot(model, revision)
+    source = _source(model, revision)
     config = json.loads((source / "config.json").read_text())
     text = config.get("text_config")
     if not isinstance(text, dict):
@@ -71,7 +75,7 @@ def text_view(model: str, revision: str | None, folder: Path) -> str:
         tok = json.loads(tokenizer_config.read_text())
         tok.pop("processor_class", None)
         atomic_write_json(folder / "tokenizer_config.json", tok)
-    if "model_type" in text and text["model_type"] == "kimi_k2":
+    if text.get("model_type") == "kimi_k2":
         # transformers reads Kimi's text model as DeepSeek-V3, as its own Kimi-K2.5 config does
         text = {**text, "model_type": "deepseek_v3"}
     atomic_write_json(folder / "config.json", text)
@@ -91,18 +95,16 @@ def text_model(model: str, revision: str | None, folder: Path, **kwargs: Any):
 def name_verifier(drafter: Path, model: str, verifier_config: dict) -> None:
     """Make a drafter trained against a text view name the verifier itself: its id or path and
     its own architectures (e.g. ``KimiK25ForConditionalGeneration``), not the view's."""
-    path = drafter / "config.json"
-    config = json.loads(path.read_text())
+    config = drafter_config(drafter)
     named = config.get("speculators_config", {}).get("verifier")
     if not isinstance(named, dict):
         return
     named["name_or_path"] = model
     if verifier_config.get("architectures"):
         named["architectures"] = verifier_config["architectures"]
-    atomic_write_json(path, config)
+    atomic_write_json(drafter / "config.json", config)
 
 
 def verifier_config(model: str, revision: str | None) -> dict:
     """The verifier's own top-level config.json."""
-    source = Path(model) if Path(model).is_dir() else _snapshot(model, revision)
-    return json.loads((source / "config.json").read_text())
+    return json.loads((_source(model, revision) / "config.json").read_text())

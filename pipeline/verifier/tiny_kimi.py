@@ -193,7 +193,7 @@ def save_kimi_folder(model, profile: Profile, tokenizer, out: Path) -> None:
     state = model.state_dict()
     weights = {}
     for name, tensor in state.items():
-        weights[WEIGHT_PREFIX + name] = tensor.detach().contiguous().clone()
+        weights[WEIGHT_PREFIX + name] = tensor.detach().contiguous()
     for name in list(weights):
         # transformers keeps routed experts fused; Kimi-K2.5 (and vLLM) name them one by one
         if name.endswith("mlp.experts.gate_up_proj"):
