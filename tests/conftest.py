@@ -28,6 +28,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def docker_engine():
+    """The private Docker engine tests/docker_engine.py started for this run (its client)."""
+    import docker
+
+    if why := os.environ.get("EAGLE3_NO_ENGINE"):
+        pytest.skip(f"no Docker engine on this machine: {why}")
+    if not os.environ.get("EAGLE3_ENGINE_DIR"):
+        pytest.skip(
+            "no private Docker engine: run the container tests through `make test` or "
+            "`make test-containers`, which start one"
+        )
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`make hero-run` on the tiny profile, once per session; yields its profile.
 

@@ -20,6 +20,7 @@ import pytest
 
 from pipeline.core.config import load_profile
 from pipeline.serving.vllm_api import server_command
+from tests.docker_engine import Unavailable, apt_mirror
 from tests.helpers import stand_in_manifest
 
 pytestmark = pytest.mark.unit
@@ -31,7 +32,8 @@ BIN = Path(sys.executable).parent
 def compose_config(*args: str, **env: str) -> dict:
     """compose.yaml as Compose resolves it (interpolated, defaults applied), as JSON."""
     binary = Path(compose.__file__).with_name("docker-compose")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DATA_DIR", "ARGS"))}
+    ours = ("HF_", "DATA_DIR", "ARGS", "IMAGE", "GPUS", "CONFIG", "VERIFIER_PORT", "EVAL_PORT")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     proc = subprocess.run(
         [str(binary), "-f", "compose.yaml", *args, "config", "--format", "json"],
         cwd=REPO,
@@ -62,9 +64,24 @@ def test_the_image_is_vllms_at_the_projects_pin_and_runs_as_a_user():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     (vllm_pin,) = pyproject["project"]["optional-dependencies"]["gpu"]
     version = vllm_pin.removeprefix("vllm==")
-    assert re.search(rf"^FROM vllm/vllm-openai:v{re.escape(version)}$", DOCKERFILE, re.MULTILINE)
+    froms = re.findall(r"^FROM (\S+) AS (\S+)$", DOCKERFILE, re.MULTILINE)
+    assert froms == [
+        (f"vllm/vllm-openai:v{version}", "deps-gpu"),
+        ("${CPU_BASE}", "deps-cpu"),
+        ("deps-${VARIANT}", "release"),  # one layout, entrypoint and user over either
+    ]
+    assert re.search(r"^ARG VARIANT=gpu$", DOCKERFILE, re.MULTILINE)  # the GPU image by default
     users = re.findall(r"^USER (\S+)$", DOCKERFILE, re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
+
+
+def test_the_cpu_variant_installs_what_make_venv_does():
+    cpu = DOCKERFILE.split("AS deps-cpu", 1)[1].split("AS release", 1)[0]
+    assert "--no-index" in cpu and "torch==2.13.0" in cpu and "-r /tmp/requirements/cpu.lock" in cpu
+    assert "--mount=type=bind,source=.build/wheels" in cpu  # mounted for the install, no layer
+    assert "COPY .build" not in DOCKERFILE
+    # The project installed in the image, so vLLM finds its plugin (the CPU workarounds).
+    assert "pip install --no-cache-dir --no-deps --no-build-isolation -e ." in DOCKERFILE
 
 
 def test_no_secret_goes_into_an_image_layer():
@@ -90,10 +107,14 @@ def test_compose_validates_and_the_pipeline_runs_the_projects_hero_run():
     assert pipeline["network_mode"] == "host"  # servers bind 127.0.0.1 of the host, unexposed
     # Stages start their servers through the engine's socket, mounting what the pipeline has.
     assert "/var/run/docker.sock:/var/run/docker.sock" in binds(pipeline)
-    args = command[2].removeprefix("ARGS=").split()
-    assert args[0] == "server.runtime=docker"
-    mounts = args[1].removeprefix("server.container.mounts=[").removesuffix("]").split(",")
+    args = dict(a.split("=", 1) for a in command[2].removeprefix("ARGS=").split())
+    assert args["run.output_dir"] == "/data/runs"  # where the siblings see it too
+    assert args["server.runtime"] == "docker"
+    assert args["server.container.image"] == pipeline["image"] == "eagle3-release:latest"
+    assert args["server.container.gpus"] == "all"
+    mounts = args["server.container.mounts"].removeprefix("[").removesuffix("]").split(",")
     assert mounts == ["/data:/data", "/home/someone/.cache/huggingface:/hf-cache"]
+    assert pipeline["init"] is True  # `docker stop` reaches the stage, which stops its server
     assert set(mounts) <= set(binds(pipeline))
     # The profile and the data folder switch from the environment, extra overrides append.
     other = compose_config(
@@ -154,21 +175,35 @@ def test_the_serve_profile_services_run_the_stages_server_command_with_a_long_he
         assert {"/data", "/hf-cache"} <= {v["target"] for v in service["volumes"]}
 
 
-def test_hero_run_through_compose_is_an_explicit_switch():
-    dry = subprocess.run(
-        ["make", "-n", "hero-run", "RUNNER=compose", "CONFIG=configs/kimi-k2.5-b300.yaml"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+def make_dry_run(*args: str) -> str:
+    """The commands `make -n` would run."""
+    return subprocess.run(
+        ["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    assert "docker compose run --rm --build pipeline" in dry
+
+
+def test_hero_run_through_compose_is_an_explicit_switch():
+    dry = make_dry_run("hero-run", "RUNNER=compose", "CONFIG=configs/kimi-k2.5-b300.yaml")
+    assert "docker build --network host --build-arg VARIANT=gpu" in dry
+    assert re.search(r"docker compose -f compose.yaml\s+run --rm pipeline", dry)
     assert "CONFIG=configs/kimi-k2.5-b300.yaml" in dry
     bad = subprocess.run(
         ["make", "hero-run", "RUNNER=docker"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert bad.returncode != 0 and "use RUNNER=local" in bad.stderr
+
+
+def test_the_cpu_variant_drops_the_gpu_reservations_and_serves_without_gpus():
+    env = {"IMAGE": "eagle3-release:cpu", "GPUS": "none"}
+    services = compose_config("-f", "compose.cpu.yaml", "--profile", "serve", **env)["services"]
+    for service in services.values():
+        assert "deploy" not in service and service["image"] == "eagle3-release:cpu"
+    args = services["pipeline"]["command"][2]
+    assert "server.container.image=eagle3-release:cpu server.container.gpus=none" in args
+    dry = make_dry_run("hero-run", "RUNNER=compose", "VARIANT=cpu")
+    assert "--build-arg VARIANT=cpu" in dry and "-t eagle3-release:cpu" in dry
+    assert "docker compose -f compose.yaml -f compose.cpu.yaml run --rm pipeline" in dry
+    assert "IMAGE=eagle3-release:cpu" in dry and "GPUS=none" in dry
 
 
 def flags(cmd: list[str]) -> dict[str, str | None]:
@@ -204,3 +239,27 @@ def test_hero_profiles_give_the_vllm_command_their_hardware_needs(config, expect
     assert got["--host"] == "127.0.0.1"  # vLLM binds loopback inside the container too
     assert got["--reasoning-parser"] == "kimi_k2" and got["--dtype"] == "bfloat16"
     assert float(got["--gpu-memory-utilization"]) <= 0.95
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        (
+            "debian.sources",
+            "Types: deb\n# a comment\nURIs: http://mirror.example/debian\n"
+            "Suites: bookworm bookworm-updates\nComponents: main\n\n"
+            "Types: deb\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n",
+        ),
+        (
+            "mirror.list",
+            "# a comment\ndeb [arch=amd64] http://mirror.example/debian bookworm main\n",
+        ),
+    ],
+)
+def test_the_private_engine_builds_its_base_from_this_machines_apt_mirror(tmp_path, name, text):
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / name).write_text(text)
+    assert apt_mirror(tmp_path) == "http://mirror.example/debian"
+    (tmp_path / "sources.list.d" / name).unlink()
+    with pytest.raises(Unavailable, match="no Debian bookworm mirror"):
+        apt_mirror(tmp_path)

@@ -129,7 +129,7 @@ def test_a_server_and_its_workers_die_with_a_sigkilled_stage(stub_vllm, tmp_path
         assert alive_after(procs, 5) == []
     finally:
         stage.kill()
-    assert "server_guard: stage" in log_path.read_text()
+    assert "server_guard: the stage is gone" in log_path.read_text()
 
 
 @pytest.mark.unit

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -35,15 +36,32 @@ def parse(stage: str, argv: list[str] | None) -> tuple[Profile, argparse.Namespa
     return load_profile(args.config, args.overrides), args
 
 
+class Terminated(BaseException):
+    """SIGTERM (`docker stop`, a scheduler's preemption) arrived: unwind like Ctrl-C, so every
+    ``finally`` runs and the servers a stage started are stopped."""
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
 def report(fn: Callable[[], dict[str, Any]]) -> None:
     """Run a stage body: log setup, a user error as one line and exit 2, a summary on success."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for client in ("httpx", "httpx2"):  # one line per request otherwise
         logging.getLogger(client).setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         manifest = fn()
     except KeyboardInterrupt:
         fail("interrupted (Ctrl-C); what was finished is kept: rerun the stage to do the rest")
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print(
+            "error: stopped by SIGTERM; what was finished is kept: rerun the stage to do the rest",
+            file=sys.stderr,
+        )
+        sys.exit(128 + signal.SIGTERM)
     except Exception as err:
         user_error = server_error(err)  # a PipelineError, or what a server caused, as one
         if user_error is None:

@@ -106,7 +106,8 @@ class ContainerConfig(StrictModel):
     nowhere else; it shares the host's IPC namespace too (vLLM's workers use /dev/shm).
     """
 
-    # The project's image (compose.yaml builds it): vLLM plus the hidden-state connector.
+    # The project's image (`make image`; eagle3-release:cpu with VARIANT=cpu): vLLM plus this
+    # project, whose server guard runs first in the container and whose connector vLLM loads.
     image: str = "eagle3-release:latest"
     # GPUs the server reserves: all, none (a CPU build), or device ids ("0", "1", ...).
     gpus: Literal["all", "none"] | list[Annotated[str, BeforeValidator(str)]] = "all"

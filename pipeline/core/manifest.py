@@ -65,7 +65,11 @@ def git_state() -> dict[str, Any]:
     try:
         return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
     except (subprocess.CalledProcessError, FileNotFoundError):
-        return {"sha": None, "dirty": None}
+        pass
+    # An image has no .git: `make hero-run RUNNER=compose` passes the checkout's state in.
+    sha = os.environ.get("EAGLE3_GIT_SHA") or None
+    dirty = os.environ.get("EAGLE3_GIT_DIRTY", "").lower()
+    return {"sha": sha, "dirty": {"true": True, "false": False}.get(dirty) if sha else None}
 
 
 def hardware() -> dict[str, Any]:

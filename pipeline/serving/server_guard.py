@@ -6,11 +6,15 @@ command as its
 child in that group, and exits with the command's status, so the stage sees the server's exit
 as before. A stage killed outright (SIGKILL skips every ``finally``) leaves nobody to stop a
 server whose engine and worker processes are grandchildren of the stage; the guard does it.
+In a server container (``server.runtime=docker``) the guard is the container's first process
+and watches the stage through ``--lifeline host:port`` instead: a loopback connection the stage
+holds open, which the kernel closes when the stage ends, however it ends, even when the whole
+pipeline container is killed. The container then exits, and the engine removes it.
 
 Invariants:
 - when the owner is gone, by any signal, the guard stops the whole group within about a second
-  (PR_SET_PDEATHSIG on Linux wakes it; a poll of its parent process backs that up): SIGTERM to
-  the group, SIGKILL to whatever is left after the grace period;
+  (PR_SET_PDEATHSIG on Linux wakes it; a poll of its parent process, or of the lifeline, backs
+  that up): SIGTERM to the group, SIGKILL to whatever is left after the grace period;
 - SIGTERM, SIGINT or SIGHUP to the guard means the group is being stopped (the stage sends
   SIGTERM to the whole group once): the guard waits up to the grace period for the server, then
   stops what is left of the group and of its descendants (it is their subreaper, so a worker
@@ -35,7 +39,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -199,8 +203,38 @@ def _exit_like(status: int) -> None:
     sys.exit(status)
 
 
-def guard(owner: int, cmd: list[str], grace_s: float) -> int:
-    """Run ``cmd`` in this process group while ``owner`` lives; its status."""
+def parent_is(owner: int) -> Callable[[], bool]:
+    """Whether ``owner``, the guard's parent, still runs: the parent-death signal wakes the
+    guard when it goes."""
+    signal.signal(signal.SIGUSR1, lambda *_: None)  # the parent-death signal: it only wakes us
+    _prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+    return lambda: os.getppid() == owner
+
+
+def lifeline(address: str) -> Callable[[], bool]:
+    """Whether the owner still holds the loopback connection it listens for at ``address``
+    (``host:port``); the kernel closes it however the owner ends, SIGKILL included. For a
+    guard in a container, where the owner's pid means nothing."""
+    host, _, port = address.rpartition(":")
+    try:
+        line = socket.create_connection((host, int(port)), timeout=10)
+    except OSError:
+        return lambda: False  # the owner is gone already
+    line.setblocking(False)
+
+    def held() -> bool:
+        try:
+            return line.recv(1, socket.MSG_PEEK) != b""  # the owner never sends: b"" is EOF
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    return held
+
+
+def guard(owner_alive: Callable[[], bool], cmd: list[str], grace_s: float) -> int:
+    """Run ``cmd`` in this process group while ``owner_alive()``; its status."""
     stopping: list[int] = []
 
     def on_stop(signum: int, _frame: object) -> None:
@@ -208,10 +242,8 @@ def guard(owner: int, cmd: list[str], grace_s: float) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_stop)
-    signal.signal(signal.SIGUSR1, lambda *_: None)  # the parent-death signal: it only wakes us
-    _prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # the server's orphaned workers stay our descendants
-    if os.getppid() != owner:  # gone before the parent-death signal was armed
+    if not owner_alive():  # gone before the guard could watch it
         return 1
     me = os.getpid()
     if os.getpgrp() != me:
@@ -220,11 +252,11 @@ def guard(owner: int, cmd: list[str], grace_s: float) -> int:
         return 128 + stopping[0]
     child = subprocess.Popen(cmd)
     while child.poll() is None:
-        owner_gone = os.getppid() != owner
+        owner_gone = not owner_alive()
         if owner_gone or stopping:
             if owner_gone:
                 print(
-                    f"server_guard: stage {owner} is gone; stopping the server (group {me})",
+                    f"server_guard: the stage is gone; stopping the server (group {me})",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -248,14 +280,17 @@ def guard(owner: int, cmd: list[str], grace_s: float) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.serving.server_guard")
-    parser.add_argument("--owner", type=int, required=True, help="the stage's pid")
+    owner = parser.add_mutually_exclusive_group(required=True)
+    owner.add_argument("--owner", type=int, help="the stage's pid (the guard's parent)")
+    owner.add_argument("--lifeline", help="host:port where the stage holds a connection open")
     parser.add_argument("--grace-s", type=float, default=GRACE_S, help="SIGTERM to SIGKILL")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the server's command line")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no server command after --")
-    _exit_like(guard(args.owner, cmd, args.grace_s))
+    alive = lifeline(args.lifeline) if args.lifeline else parent_is(args.owner)
+    _exit_like(guard(alive, cmd, args.grace_s))
 
 
 if __name__ == "__main__":

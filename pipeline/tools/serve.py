@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter", action="store_true", help="speculate with the drafter")
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--print", action="store_true", help="print the command line and exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         profile = load_profile(args.config, args.overrides)
         cmd = command(profile, args)
