@@ -40,7 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from eval.arms import Arm, planned_arms
-from eval.guards import check_drafter_matches, compare_with_baseline, skip_too_long
+from eval.guards import (
+    check_consistency,
+    check_drafter_matches,
+    compare_with_baseline,
+    skip_too_long,
+    train_serve_consistency,
+)
 from eval.measure import measure_arms, take_outputs
 from eval.prompts import check_held_out, eval_data_revision, load_eval_prompts
 from eval.report import write_results
@@ -92,7 +98,18 @@ def run(profile: Profile) -> dict[str, Any]:
         drafter=train.drafter,
         verifier=verifier,
     )
+    consistency = []
+    if not deployed and summary["method"] == "eagle3":
+        served = summary["per_position_acceptance"]
+        consistency = train_serve_consistency(train.val_metrics, served)
+        results["train_serve"] = {
+            "min_ratio": profile.eval.min_served_over_validation,
+            "positions": consistency,
+        }
     write_results(profile, folder, results, outputs, deployed=deployed)
+    # After the results are on disk: a refusal leaves every figure to look at.
+    where = f"eagle3 k={summary['num_speculative_tokens']} at batch size 1"
+    check_consistency(consistency, profile.eval.min_served_over_validation, where)
     return write_manifest(
         profile,
         "eval",

@@ -7,7 +7,10 @@
 - an EAGLE-3 (or served) arm that drafted nothing, or accepted about nothing, is an error, not a
   result (:func:`check_acceptance`);
 - every arm's greedy outputs are compared token by token with the baseline's at the same
-  concurrency, and the differing prompt ids recorded (:func:`compare_with_baseline`).
+  concurrency, and the differing prompt ids recorded (:func:`compare_with_baseline`);
+- the headline EAGLE-3 arm's acceptance per draft position is held against the drafter's own
+  validation accuracy there, and one far below it is an error naming the likely train/serve
+  mismatches (:func:`train_serve_consistency`, :func:`check_consistency`).
 """
 
 from __future__ import annotations
@@ -131,3 +134,41 @@ def compare_with_baseline(runs: list[dict[str, Any]]) -> None:
             )
             for cat, figs in level.get("per_category", {}).items():
                 figs["speedup"] = ratio(base["per_category"][cat]["time_per_output_token_s"], figs)
+
+
+def train_serve_consistency(
+    val_metrics: dict[str, float] | None, served: list[float]
+) -> list[dict[str, Any]]:
+    """Per draft position: speculators' validation accuracy, vLLM's served acceptance, and
+    served / validation. speculators' ``full_acc_i`` feeds the drafter its own earlier drafts
+    and counts position i only when every earlier one was right, as vLLM's per-position
+    acceptance does, so the two measure the same thing on different prompts."""
+    rows = []
+    for i, accepted in enumerate(served):
+        validation = (val_metrics or {}).get(f"full_acc_{i}_epoch")
+        if validation is None:
+            break  # trained for fewer steps ahead than served
+        ratio_ = accepted / validation if validation > 0 else None
+        rows.append(
+            {"position": i + 1, "validation": validation, "served": accepted, "ratio": ratio_}
+        )
+    return rows
+
+
+def check_consistency(rows: list[dict[str, Any]], min_ratio: float, where: str) -> None:
+    """A served acceptance far below validation is an error naming what usually differs."""
+    low = [r for r in rows if r["ratio"] is not None and r["ratio"] < min_ratio]
+    if not low:
+        return
+    figures = ", ".join(
+        f"position {r['position']}: {r['served']:.3f} served, {r['validation']:.3f} in "
+        f"validation ({r['ratio']:.2f}x)"
+        for r in low
+    )
+    raise EvalError(
+        f"{where}: served acceptance is far below the drafter's validation accuracy ({figures}; "
+        f"eval.min_served_over_validation={min_ratio}). Training and serving disagree: check "
+        "the chat template the server applies (a --chat-template in server.extra_args, the "
+        "tokenizer's own), server.max_model_len against train.total_seq_len, the dtype, and "
+        "the capture-layer ids; results.md has every figure"
+    )

@@ -69,6 +69,22 @@ def results_markdown(results: dict[str, Any]) -> str:
                 for m in methods
             )
             lines.append(f"| {cat} | {c['prompts']} | {cells} |")
+    consistency = results.get("train_serve")
+    if consistency and consistency["positions"]:
+        lines += [
+            "",
+            f"Train/serve consistency at k={s['num_speculative_tokens']}, batch size 1: served "
+            "acceptance per draft position against the drafter's validation accuracy "
+            f"(below {consistency['min_ratio']}x is an error):",
+            "",
+            "| position | validation | served | served / validation |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['position']} | {fmt(r['validation'])} | {fmt(r['served'])} "
+            f"| {fmt(r['ratio'], '.2f')} |"
+            for r in consistency["positions"]
+        ]
     skipped = results["prompts"].get("skipped") or {}
     if skipped.get("count"):
         per_category = ", ".join(f"{c} {n}" for c, n in sorted(skipped["per_category"].items()))

@@ -401,6 +401,56 @@ def test_a_drafter_trained_for_another_verifier_or_template_is_refused(
     assert not list((profile.run.run_dir / "eval").glob("vllm-*.log"))  # refused before serving
 
 
+def test_served_acceptance_agrees_with_validation_and_the_card_says_so(tiny_run):
+    """The normal run passes the train/serve consistency guard, position by position."""
+    consistency = eval_results(tiny_run)["train_serve"]
+    positions = consistency["positions"]
+    assert [r["position"] for r in positions] == [1, 2, 3]  # the headline k, 3 trained steps
+    assert all(r["ratio"] >= consistency["min_ratio"] for r in positions), positions
+    val = read_manifest(tiny_run, "train")["outputs"]["val_metrics"]
+    assert [r["validation"] for r in positions] == [val[f"full_acc_{i}_epoch"] for i in range(3)]
+    assert eval_results(tiny_run)["summary"]["per_position_acceptance"] == [
+        r["served"] for r in positions
+    ]
+    card = (tiny_run.run.run_dir / "card" / "README.md").read_text()
+    assert "| position | validation | served | served / validation |" in card
+
+
+PLAIN_CHAT_TEMPLATE = """{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}
+{% endfor %}assistant:"""
+
+
+def test_a_server_applying_another_chat_template_is_caught(tiny_run, tmp_path):
+    """Served with a plain template instead of the verifier's own (the drafter trained on the
+    Kimi format): still well above the untrained floor, far below validation further out."""
+    from pipeline.core.config import load_profile
+    from tests.helpers import seed_run_dir
+
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_CHAT_TEMPLATE)
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        *TEST_OVERRIDES,
+        "eval.methods=[eagle3]",
+        "eval.num_speculative_tokens=[3]",
+        "eval.concurrency=[1]",
+        "eval.lm_eval_tasks=[]",
+        f"server.extra_args=[--chat-template,{template}]",
+    ]
+    profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
+    seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
+    pin_recorded_verifier(profile)
+    proc = run_eval(*overrides)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "served acceptance is far below the drafter's validation accuracy" in last_line(proc)
+    assert "check the chat template the server applies" in last_line(proc)
+    results = eval_results(profile)  # on disk for the diagnosis, the manifest not written
+    assert not (profile.run.run_dir / "eval" / "manifest.json").exists()
+    assert results["summary"]["mean_acceptance_length"] > profile.eval.min_acceptance_length
+    ratios = [r["ratio"] for r in results["train_serve"]["positions"]]
+    assert min(ratios) < profile.eval.min_served_over_validation, ratios
+
+
 @pytest.fixture(scope="module")
 def deployment(tiny_run, tmp_path_factory):
     """A running vLLM serving the tiny verifier with the trained drafter at k=2, as a user's

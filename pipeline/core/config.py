@@ -278,6 +278,10 @@ class EvalConfig(StrictModel):
     # Below this mean acceptance length an EAGLE-3 arm is an error: an untrained or miswired
     # drafter gives about 1.0 (the wrong method name, wrong capture layers).
     min_acceptance_length: float = Field(default=1.1, ge=1)
+    # Below this ratio of served acceptance to the drafter's validation accuracy, at any draft
+    # position of the headline EAGLE-3 arm, eval is an error: training and serving disagree
+    # (another chat template, sequence length, dtype or capture layers when served).
+    min_served_over_validation: float = Field(default=0.5, gt=0)
     # vLLM's ngram (prompt lookup) drafter: n-gram sizes it matches against the prompt.
     ngram_prompt_lookup_min: PositiveInt = 2
     ngram_prompt_lookup_max: PositiveInt = 4
