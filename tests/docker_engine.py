@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -54,15 +55,12 @@ def say(message: str) -> None:
     print(f"docker_engine: {message}", file=sys.stderr, flush=True)
 
 
-def timed(what: str, times: dict[str, float]):
-    @contextlib.contextmanager
-    def block():
-        t0 = time.monotonic()
-        yield
-        times[what] = round(time.monotonic() - t0, 1)
-        say(f"{what}: {times[what]} s")
-
-    return block()
+@contextlib.contextmanager
+def timed(what: str, times: dict[str, float]) -> Iterator[None]:
+    t0 = time.monotonic()
+    yield
+    times[what] = round(time.monotonic() - t0, 1)
+    say(f"{what}: {times[what]} s")
 
 
 def ensure_installed() -> None:
@@ -72,8 +70,8 @@ def ensure_installed() -> None:
         raise Unavailable("dockerd or debootstrap is missing and this is not root to install them")
     if not shutil.which("apt-get"):
         raise Unavailable("dockerd or debootstrap is missing and there is no apt-get")
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "docker.io"]
-    install.append("debootstrap")
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends"]
+    install += ["docker.io", "debootstrap"]
     env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "env": env, "text": True}
     if subprocess.run(install, **quiet).returncode != 0:

@@ -85,19 +85,22 @@ def engine(docker_engine, stub_images, monkeypatch):
     assert not left, f"containers left behind: {[c.name for c in left]}"
 
 
+def docker_overrides(tmp_path: Path) -> list[str]:
+    """This test's run, its servers as stand-in containers without GPUs."""
+    return [
+        f"run.output_dir={tmp_path / 'runs'}",
+        f"run.name={RUN}",
+        "server.runtime=docker",
+        "server.container.image=stub-vllm:ok",
+        "server.container.gpus=none",
+        "server.container.stop_timeout_s=10",
+    ]
+
+
 def docker_profile(tmp_path: Path, *overrides: str):
     return load_profile(
         REPO / "configs" / "tiny.yaml",
-        [
-            f"run.output_dir={tmp_path / 'runs'}",
-            f"run.name={RUN}",
-            "server.runtime=docker",
-            "server.container.image=stub-vllm:ok",
-            "server.container.gpus=none",
-            "server.container.stop_timeout_s=10",
-            "server.startup_timeout_s=60",
-            *overrides,
-        ],
+        [*docker_overrides(tmp_path), "server.startup_timeout_s=60", *overrides],
     )
 
 
@@ -225,16 +228,8 @@ report(body)
 def test_the_container_dies_with_a_killed_stage(engine, tmp_path, sig):
     """SIGTERM unwinds the stage (its ``finally`` stops the container); SIGKILL skips every
     ``finally``, and the guard in the container sees the lifeline close."""
-    overrides = [
-        f"run.output_dir={tmp_path / 'runs'}",
-        f"run.name={RUN}",
-        "server.runtime=docker",
-        "server.container.image=stub-vllm:ok",
-        "server.container.gpus=none",
-        "server.container.stop_timeout_s=10",
-    ]
     stage = subprocess.Popen(
-        [sys.executable, "-c", STAGE, str(tmp_path / "vllm.log"), *overrides],
+        [sys.executable, "-c", STAGE, str(tmp_path / "vllm.log"), *docker_overrides(tmp_path)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE,
