@@ -44,7 +44,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo image test-containers hero-run gpu-smoke plan bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv demo image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
@@ -126,6 +126,11 @@ gpu-smoke: $(STAMP)
 
 plan: $(STAMP)
 	$(STAGE) pipeline.tools.plan --config $(CONFIG) $(ARGS)
+
+# The trained drafter in the original EAGLE layout (SGLang, EAGLE's code), default in
+# runs/<name>/export/eagle-layout; OUT=folder writes it there.
+export-drafter: $(STAMP)
+	$(STAGE) pipeline.tools.export_drafter --config $(CONFIG) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 # Ratios measured side by side in one run (client vs bare loop, shard writer vs dd, bytes per
 # token vs the formula), written to runs/<name>/bench/results.md. Needs the verifier stage.

@@ -5,19 +5,22 @@ Run as: python -m eval --config configs/tiny.yaml   (make eval)
 
 Reads the `verifier`, `generate` (to prove the prompts are held out) and `train` stages and the
 evaluation prompts (``eval/prompts.py``). Serves the verifier once per arm on the same
-flags: without speculation (the paired baseline), then vLLM's ngram drafter and our EAGLE-3
-drafter at each k in ``eval.num_speculative_tokens``. Each arm sends the same greedy requests at
-each level of ``eval.concurrency``; at concurrency 1 it goes category by category. Acceptance
-comes from ``/metrics`` counter deltas around each batch (prometheus-client's parser), in
-vLLM's conventions: acceptance rate (with k), mean acceptance length 1 + accepted / drafts,
-per-position acceptance; then output tokens/s, time per output token and speedup against the
-baseline at the same concurrency.
+flags: without speculation (the paired baseline), then vLLM's ngram drafter, our EAGLE-3
+drafter and each reference drafter (``eval.reference_drafters``: published drafters, converted
+by ``eval/references.py`` where vLLM needs it) at each k in ``eval.num_speculative_tokens``.
+Without ``eagle3`` in ``eval.methods`` it measures the reference drafters alone and needs no
+`train` stage: the "test the published drafter first" step. Each arm sends the same greedy
+requests at each level of ``eval.concurrency``; at concurrency 1 it goes category by category.
+Acceptance comes from ``/metrics`` counter deltas around each batch (prometheus-client's
+parser), in vLLM's conventions: acceptance rate (with k), mean acceptance length
+1 + accepted / drafts, per-position acceptance; then output tokens/s, time per output token
+and speedup against the baseline at the same concurrency.
 
 Writes ``<run>/eval/results.json`` (every arm and level, per category, losslessness, the
-headline: the EAGLE-3 k with the best batch-size-1 speedup; the prompts skipped as too long for
-the context), ``results.md``, three PNG plots, ``outputs.json`` (every response, with its token
-ids), ``lm-eval/<arm>.json`` (lm-eval's scores and each document's response, with and without
-the drafter) and ``manifest.json``.
+headline: the EAGLE-3 k with the best batch-size-1 speedup, beside ngram and each reference
+drafter at that k; the prompts skipped as too long for the context), ``results.md``, three PNG
+plots, ``outputs.json`` (every response, with its token ids), ``lm-eval/<arm>.json`` (lm-eval's
+scores and each document's response, with and without the drafter) and ``manifest.json``.
 
 Invariants (each a refusal or an error naming what to check, never a silent number):
 - a prompt longer than ``server.max_model_len - eval.max_tokens`` tokens (the verifier's
@@ -49,6 +52,7 @@ from eval.guards import (
 )
 from eval.measure import measure_arms, take_outputs
 from eval.prompts import check_held_out, eval_data_revision, load_eval_prompts
+from eval.references import prepare_references
 from eval.report import write_results
 from eval.summary import build_results, headline
 from pipeline.core.config import Profile
@@ -61,31 +65,35 @@ def run(profile: Profile) -> dict[str, Any]:
     started = now()
     folder = stage_dir(profile, "eval")
     folder.mkdir(parents=True, exist_ok=True)
-    train = read_input(profile, "eval", "train").outputs
+    # Without our drafter among the methods (reference drafters alone), nothing is trained yet.
+    train = read_input(profile, "eval", "train").outputs if ours(profile) else None
     generate = read_input(profile, "eval", "generate").outputs
     prompts = load_eval_prompts(profile)
     check_held_out(prompts, stage_dir(profile, "generate") / generate.responses)
     verifier_outputs = read_input(profile, "eval", "verifier").outputs
     verifier = verifier_outputs.model
     deployed = profile.server.base_url is not None
+    references: dict[str, Any] = {}
+    drafters: dict[str | None, str] = {None: train.drafter} if train else {}
     if deployed:
         arms = [Arm("served")]  # measured as it runs: no paired baseline, nothing started
     else:
-        check_drafter_matches(verifier_outputs, train)
+        if train:
+            check_drafter_matches(verifier_outputs, train)
+        paths, references = prepare_references(profile, verifier_outputs, folder)
+        drafters |= paths
         arms = planned_arms(profile)
     # Before any server starts: a prompt vLLM would refuse for its length is skipped and named.
     asked = len(prompts)
     prompts, skipped = skip_too_long(prompts, verifier, profile)
     runs, lm_scores = measure_arms(
-        profile,
-        arms,
-        prompts,
-        verifier=verifier,
-        drafter=train.drafter,
-        folder=folder,
+        profile, arms, prompts, verifier=verifier, drafters=drafters, folder=folder,
         deployed=deployed,
-    )
+    )  # fmt: skip
     compare_with_baseline(runs)
+    for run in runs:  # results are published: a reference is named by its source, not a path
+        if run["reference"]:
+            run["spec"] = {**run["spec"], "model": references[run["reference"]]["source"]}
     summary = headline(runs)
     outputs = take_outputs(runs)
     results = build_results(
@@ -95,11 +103,12 @@ def run(profile: Profile) -> dict[str, Any]:
         prompts=prompts,
         skipped=skipped,
         lm_scores=lm_scores,
-        drafter=train.drafter,
+        drafter=train.drafter if train else None,
         verifier=verifier,
+        references=references,
     )
     consistency = []
-    if not deployed and summary["method"] == "eagle3":
+    if train and not deployed and summary["series"] == "eagle3":
         served = summary["per_position_acceptance"]
         consistency = train_serve_consistency(train.val_metrics, served)
         results["train_serve"] = {
@@ -124,11 +133,17 @@ def run(profile: Profile) -> dict[str, Any]:
         outputs=EvalOutputs(
             results="results.json",
             summary=summary,
-            # What was measured; None for a deployment, which card and publish refuse.
-            drafter_sha256=None if deployed else drafter_digest(Path(train.drafter)),
+            # What was measured; None for a deployment or reference drafters alone, which card
+            # and publish refuse.
+            drafter_sha256=drafter_digest(Path(train.drafter)) if train and not deployed else None,
         ),
         data_revision=eval_data_revision(profile),
     )
+
+
+def ours(profile: Profile) -> bool:
+    """Whether eval measures our trained drafter (and so reads the train stage)."""
+    return "eagle3" in profile.eval.methods or profile.server.base_url is not None
 
 
 def main(argv: list[str] | None = None) -> None:

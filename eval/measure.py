@@ -132,23 +132,25 @@ def measure_arms(
     prompts: list[EvalPrompt],
     *,
     verifier: str,
-    drafter: str,
+    drafters: dict[str | None, str],
     folder: Path,
     deployed: bool,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every arm at every level of ``eval.concurrency``, one server per arm (its log
-    ``vllm-<arm>.log`` in ``folder``), or the deployment when ``deployed``. With
-    ``eval.lm_eval_tasks``, lm-eval also scores the baseline and EAGLE-3 at the largest k on
-    their servers, each written to ``lm-eval/<arm>.json``. Returns the runs (each level with its
-    outputs) and lm-eval's scores by method."""
+    ``vllm-<arm>.log`` in ``folder``), or the deployment when ``deployed``; ``drafters``: the
+    folder each EAGLE-3 arm serves, ours under None, each reference drafter under its name.
+    With ``eval.lm_eval_tasks``, lm-eval also scores the baseline and our EAGLE-3 at the largest
+    k on their servers, each written to ``lm-eval/<arm>.json``. Returns the runs (each level
+    with its outputs) and lm-eval's scores by method."""
     lm_eval_arms: set[Arm] = set()
     if profile.eval.lm_eval_tasks and not deployed:
         k_max = max(profile.eval.num_speculative_tokens)
-        lm_eval_arms = {Arm("baseline"), Arm("eagle3", k_max)} & set(arms)
-        tasks_dir = lossless_lm_eval.write_default_task(profile, folder / "lm-eval")
+        if Arm("eagle3", k_max) in arms:  # scores compared with and without our drafter
+            lm_eval_arms = {Arm("baseline"), Arm("eagle3", k_max)}
+            tasks_dir = lossless_lm_eval.write_default_task(profile, folder / "lm-eval")
     runs, lm_scores = [], {}
     for arm in arms:
-        spec = speculative_config(profile, arm.method, arm.k, drafter)
+        spec = speculative_config(profile, arm.method, arm.k, drafters.get(arm.reference))
         log_path = folder / f"vllm-{arm.label}.log"
         with vllm_server(
             profile, verifier, log_path, use_base_url=deployed, speculative_config=spec
@@ -164,7 +166,16 @@ def measure_arms(
                 )
                 # Each document's response and the scores, for anyone to compare arm with arm.
                 atomic_write_json(folder / "lm-eval" / f"{arm.label}.json", lm_scores[arm.method])
-        runs.append({"method": arm.method, "k": arm.k, "spec": spec, "levels": levels})
+        runs.append(
+            {
+                "method": arm.method,
+                "k": arm.k,
+                "series": arm.series,
+                "reference": arm.reference,
+                "spec": spec,
+                "levels": levels,
+            }
+        )
     return runs, lm_scores
 
 
@@ -172,7 +183,7 @@ def take_outputs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every response, by arm and concurrency (``eagle3-k3-c1``), taken out of the runs' levels:
     they go to ``outputs.json``, not ``results.json``."""
     return {
-        f"{Arm(r['method'], r['k']).label}-c{lv['concurrency']}": lv.pop("outputs")
+        f"{Arm(r['method'], r['k'], r['reference']).label}-c{lv['concurrency']}": lv.pop("outputs")
         for r in runs
         for lv in r["levels"]
     }

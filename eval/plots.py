@@ -11,6 +11,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 COLORS = {"eagle3": "#3b6ea8", "served": "#3b6ea8", "ngram": "#c2703d"}
+# Reference drafters, in the order eval lists them.
+REFERENCE_COLORS = ("#4f9a5b", "#8a5aa8", "#a8a23b", "#5a5a5a")
+
+
+def color(series: str, every: list[str]) -> str:
+    """Our arms' fixed colours; each reference drafter its own."""
+    if series in COLORS:
+        return COLORS[series]
+    references = [s for s in every if s not in COLORS]
+    return REFERENCE_COLORS[references.index(series) % len(REFERENCE_COLORS)]
 
 
 def _save(fig, path: Path, title: str) -> dict[str, str]:
@@ -21,8 +31,9 @@ def _save(fig, path: Path, title: str) -> dict[str, str]:
 
 
 def per_position(arms: list[dict[str, Any]], path: Path) -> dict[str, str]:
-    """Acceptance at each draft position, one line per (method, k), at concurrency 1."""
+    """Acceptance at each draft position, one line per (drafter, k), at concurrency 1."""
     fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=120)
+    every = list(dict.fromkeys(a["series"] for a in arms))
     for arm in arms:
         rates = arm["acceptance"]["per_position_acceptance"]
         style = "--" if arm["method"] == "ngram" else "-"
@@ -31,9 +42,9 @@ def per_position(arms: list[dict[str, Any]], path: Path) -> dict[str, str]:
             rates,
             style,
             marker="o",
-            color=COLORS[arm["method"]],
+            color=color(arm["series"], every),
             alpha=0.35 + 0.65 * arm["k"] / max(a["k"] for a in arms),
-            label=f"{arm['method']} k={arm['k']}",
+            label=f"{arm['series']} k={arm['k']}",
         )
     ax.set_xticks(range(1, max(a["k"] for a in arms) + 1))
     ax.set_ylim(0, 1)
@@ -46,11 +57,12 @@ def per_position(arms: list[dict[str, Any]], path: Path) -> dict[str, str]:
 
 def acceptance_length_by_k(arms: list[dict[str, Any]], path: Path) -> dict[str, str]:
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    for method in sorted({a["method"] for a in arms}):
-        mine = sorted((a for a in arms if a["method"] == method), key=lambda a: a["k"])
+    every = list(dict.fromkeys(a["series"] for a in arms))
+    for series in every:
+        mine = sorted((a for a in arms if a["series"] == series), key=lambda a: a["k"])
         ks = [a["k"] for a in mine]
         lengths = [a["acceptance"]["mean_acceptance_length"] for a in mine]
-        ax.plot(ks, lengths, marker="o", color=COLORS[method], label=method)
+        ax.plot(ks, lengths, marker="o", color=color(series, every), label=series)
         for k, length in zip(ks, lengths, strict=True):
             ax.annotate(f"{length:.2f}", (k, length), fontsize=7, xytext=(0, 4),
                         textcoords="offset points", ha="center")  # fmt: skip
@@ -65,9 +77,9 @@ def acceptance_length_by_k(arms: list[dict[str, Any]], path: Path) -> dict[str, 
 def speedup_by_category(
     categories: dict[str, dict[str, float | None]], k: int, path: Path
 ) -> dict[str, str]:
-    """Grouped bars: each method's speedup per category at one k; 1.0 marks parity."""
+    """Grouped bars: each drafter's speedup per category at one k; 1.0 marks parity."""
     names = sorted(categories)
-    methods = sorted({m for c in categories.values() for m in c})
+    methods = list(dict.fromkeys(m for c in categories.values() for m in c))
     width = 0.8 / max(len(methods), 1)
     fig, ax = plt.subplots(figsize=(6.5, 3.4), dpi=120)
     for i, method in enumerate(methods):
@@ -76,7 +88,7 @@ def speedup_by_category(
             [j + i * width for j in range(len(names))],
             values,
             width,
-            color=COLORS[method],
+            color=color(method, methods),
             label=method,
         )
     ax.axhline(1.0, color="#555", linewidth=0.8, linestyle=":")

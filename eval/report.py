@@ -26,13 +26,38 @@ def fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def reference_lines(results: dict[str, Any]) -> list[str]:
+    """The reference drafters beside the headline, at its k and batch size 1."""
+    s, sources = results["summary"], results.get("reference_drafters", {})
+    if not s.get("references"):
+        return []
+    lines = [
+        f"Reference drafters at batch size 1 (at k={s['num_speculative_tokens']} where measured "
+        f"there), against {s['series']} k={s['num_speculative_tokens']}:",
+        "",
+        "| reference | source | layout | k | mean acceptance length | speedup "
+        f"| {s['series']} / reference (acceptance length) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in s["references"].items():
+        src = sources.get(name, {})
+        layout = src.get("layout", "-") + (", converted" if src.get("converted") else "")
+        lines.append(
+            f"| {name} | {src.get('source', '-')} | {layout} | {r['k']} "
+            f"| {fmt(r['mean_acceptance_length'])} | {fmt(r['speedup'], '.2f')} "
+            f"| {fmt(r['headline_over_reference_acceptance_length'], '.2f')} |"
+        )
+    return [*lines, ""]
+
+
 def results_markdown(results: dict[str, Any]) -> str:
     s = results["summary"]
     lines = [
-        f"Headline: {s['method']} k={s['num_speculative_tokens']}, batch size 1: acceptance "
+        f"Headline: {s['series']} k={s['num_speculative_tokens']}, batch size 1: acceptance "
         f"rate {fmt(s['acceptance_rate'])}, mean acceptance length "
         f"{fmt(s['mean_acceptance_length'])}, speedup {fmt(s.get('speedup'), '.2f')}x.",
         "",
+        *reference_lines(results),
         "| arm | k | concurrency | acceptance rate | mean acceptance length | output tok/s "
         "| ms / output token | speedup | greedy outputs identical |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -45,7 +70,7 @@ def results_markdown(results: dict[str, Any]) -> str:
             if mismatched:
                 identical = f"no ({len(mismatched)})"
             lines.append(
-                f"| {run['method']} | {run['k'] or '-'} | {lv['concurrency']} "
+                f"| {run['series']} | {run['k'] or '-'} | {lv['concurrency']} "
                 f"| {fmt(acc.get('acceptance_rate'))} | {fmt(acc.get('mean_acceptance_length'))} "
                 f"| {fmt(lv['output_tokens_per_s'], '.1f')} "
                 f"| {fmt((lv['time_per_output_token_s'] or 0) * 1000, '.2f')} "
@@ -129,7 +154,7 @@ def write_results(
     runs, summary = results["runs"], results["summary"]
     k = summary["num_speculative_tokens"]
     drafted = [
-        {"method": r["method"], "k": r["k"] or k, **batch_size_one(r)}
+        {"method": r["method"], "series": r["series"], "k": r["k"] or k, **batch_size_one(r)}
         for r in runs
         if r["method"] != "baseline" and (batch_size_one(r)["acceptance"] or {}).get("drafts")
     ]
@@ -148,7 +173,7 @@ def write_results(
     atomic_write_bytes(folder / "results.md", results_markdown(results).encode())
     log.info(
         "eval: %s k=%d: acceptance rate %.3f, mean acceptance length %.3f (ngram %s), speedup %s",
-        summary["method"],
+        summary["series"],
         k,
         summary["acceptance_rate"],
         summary["mean_acceptance_length"],

@@ -1,8 +1,9 @@
 """Analysis of the measured runs: speedups, the headline, the per-category table, results.
 
-Pure functions of the runs (no server, no files). The headline is the EAGLE-3 (or served) arm
-at batch size 1 with the best speedup, ties broken by acceptance length; ``eval.concurrency``
-always includes 1 (the profile refuses it otherwise).
+Pure functions of the runs (no server, no files). The headline is our EAGLE-3 (or served) arm
+at batch size 1 with the best speedup, ties broken by acceptance length (a reference drafter's
+only when eval measured nothing of ours), set beside ngram and each reference drafter at its k;
+``eval.concurrency`` always includes 1 (the profile refuses it otherwise).
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ def batch_size_one(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The EAGLE-3 (or served) arm at concurrency 1 with the best speedup, ngram's at its k."""
-    candidates = [r for r in runs if r["method"] in ("eagle3", "served")]
-    at_one = [(r, batch_size_one(r)) for r in candidates]
+    """Our EAGLE-3 (or served) arm at concurrency 1 with the best speedup (the best reference
+    drafter's when eval measured only those), with ngram's and each reference's at its k."""
+    candidates = [r for r in runs if r["method"] in ("eagle3", "served") and not r["reference"]]
+    at_one = [(r, batch_size_one(r)) for r in candidates or [r for r in runs if r["reference"]]]
     run, level = max(
         at_one,
         key=lambda rl: (rl[1].get("speedup") or 0, rl[1]["acceptance"]["mean_acceptance_length"]),
     )
     summary = {
         "method": run["method"],
+        "series": run["series"],
         "concurrency": 1,
         "prompts": level["prompts"],
         "output_tokens_per_s": level["output_tokens_per_s"],
@@ -55,11 +58,45 @@ def headline(runs: list[dict[str, Any]]) -> dict[str, Any]:
         summary["eagle3_over_ngram_acceptance_length"] = (
             summary["mean_acceptance_length"] / length if length else None
         )
+    names = dict.fromkeys(r["reference"] for r in runs if r["reference"] and r is not run)
+    if names:
+        summary["references"] = {
+            name: versus(summary, closest(runs, name, run["k"])) for name in names
+        }
     return summary
 
 
+def closest(runs: list[dict[str, Any]], reference: str, k: int) -> dict[str, Any]:
+    """A reference drafter's run at ``k``, else (measured at other k only) its best at batch
+    size 1."""
+    mine = [r for r in runs if r["reference"] == reference]
+    same = [r for r in mine if r["k"] == k]
+    if same:
+        return same[0]
+    return max(mine, key=lambda r: batch_size_one(r).get("speedup") or 0)
+
+
+def versus(summary: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """A reference drafter at batch size 1 (at the headline's k when measured there), and the
+    headline over it."""
+    level = batch_size_one(reference)
+    length = level["acceptance"]["mean_acceptance_length"]
+    speedup = level.get("speedup")
+    return {
+        "k": reference["k"],
+        "mean_acceptance_length": length,
+        "acceptance_rate": level["acceptance"]["acceptance_rate"],
+        "speedup": speedup,
+        "headline_over_reference_acceptance_length": summary["mean_acceptance_length"] / length,
+        "headline_over_reference_speedup": (
+            summary["speedup"] / speedup if speedup and summary.get("speedup") else None
+        ),
+    }
+
+
 def per_category_table(runs: list[dict[str, Any]], k: int) -> dict[str, Any]:
-    """Each category's acceptance length and speedup for every method at ``k``, batch size 1."""
+    """Each category's acceptance length and speedup for every drafter (series) at ``k``,
+    batch size 1."""
     table: dict[str, Any] = {}
     for run in runs:
         if run["k"] != k:
@@ -69,10 +106,10 @@ def per_category_table(runs: list[dict[str, Any]], k: int) -> dict[str, Any]:
             row = table.setdefault(
                 cat, {"prompts": figs["prompts"], "mean_acceptance_length": {}, "speedup": {}}
             )
-            row["mean_acceptance_length"][run["method"]] = (figs["acceptance"] or {}).get(
+            row["mean_acceptance_length"][run["series"]] = (figs["acceptance"] or {}).get(
                 "mean_acceptance_length"
             )
-            row["speedup"][run["method"]] = figs.get("speedup")
+            row["speedup"][run["series"]] = figs.get("speedup")
     return table
 
 
@@ -84,8 +121,9 @@ def build_results(
     prompts: list[EvalPrompt],
     skipped: dict[str, Any],
     lm_scores: dict[str, Any],
-    drafter: str,
+    drafter: str | None,
     verifier: str,
+    references: dict[str, Any],
 ) -> dict[str, Any]:
     """``results.json`` but its plots: what was measured, on which prompts, the headline
     (``summary``), every run, lm-eval's comparison (when both arms were scored) and the
@@ -97,6 +135,8 @@ def build_results(
         "summary": summary,
         "runs": runs,
     }
+    if references:
+        results["reference_drafters"] = references
     if len(lm_scores) == 2:
         results["lm_eval"] = lossless_lm_eval.compare(lm_scores["baseline"], lm_scores["eagle3"])
     results["per_category"] = per_category_table(runs, summary["num_speculative_tokens"])

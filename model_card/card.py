@@ -210,8 +210,9 @@ def run(profile: Profile) -> dict[str, Any]:
     evaluated = m["eval"].outputs.drafter_sha256
     if evaluated is None:
         raise CardError(
-            "eval measured a running deployment (server.base_url), not this run's drafter; "
-            "run `make eval` without BASE_URL before `make card`"
+            "eval measured a running deployment (server.base_url) or reference drafters alone, "
+            "not this run's drafter; run `make eval` without BASE_URL, with eagle3 in "
+            "eval.methods, before `make card`"
         )
     if evaluated != drafter_digest(Path(m["train"].outputs.drafter)):
         raise CardError(

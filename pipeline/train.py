@@ -17,12 +17,17 @@ One device by default (``python -m pipeline.training.speculators_train``); ``tra
 (or ``train.launcher: torchrun``) launches the same entry point through torchrun on this machine,
 its collectives on loopback (but see :func:`launcher`: torchrun's store listens on every
 interface), with FSDP sharding when ``train.fsdp_shard``;
-``train.from_pretrained`` finetunes an existing drafter. speculators resumes from the newest
-checkpoint in the save path, so a rerun after a crash continues instead of starting over.
+``train.from_pretrained`` finetunes a published drafter in either layout
+(:mod:`pipeline.training.pretrained_drafter`): refused by name unless it fits the verifier and
+reads the layers extraction captured, converted to speculators' format when it is in the
+original EAGLE layout, its embedding the verifier's when it has none, and trained with its own
+draft vocabulary (``--d2t-path``/``--t2d-path``), never one recomputed from our data.
+speculators resumes from the newest checkpoint in the save path, so a rerun after a crash
+continues instead of starting over.
 
 Invariants: the trainer receives exactly the capture layer ids extraction used (without the
-last layer, which speculators appends itself); the draft vocabulary comes from the token
-frequencies of the supervised (assistant) tokens.
+last layer, which speculators appends itself); a fresh drafter's draft vocabulary comes from
+the token frequencies of the supervised (assistant) tokens, a finetuned one keeps its own.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from pipeline.training.launch import (
     train_env,
     trainer_state,
 )
+from pipeline.training.pretrained_drafter import start_from
 from pipeline.training.speculators_train import PROGRESS_FILE_ENV
 from pipeline.training.text_view import name_verifier, text_view, verifier_config
 
@@ -153,22 +159,28 @@ def run(profile: Profile) -> dict[str, Any]:
     save = folder / "checkpoints"
     # speculators gets the verifier's text model when it is a multimodal wrapper (Kimi-K2.5)
     as_text = text_view(verifier.model, verifier.revision, folder / "verifier-text")
+    own_config = verifier_config(verifier.model, verifier.revision)
+    pretrained = None
+    if profile.train.from_pretrained:  # checked and prepared before anything starts
+        pretrained = start_from(profile.train.from_pretrained, own_config, as_text, layers, folder)
     with contextlib.ExitStack() as stack:
         online = None
         if extract.outputs.mode == "online":
             online = extraction_server(profile, verifier.model, folder, stack, as_text)
         fp8 = extract.outputs.dtype == "float8_e4m3fn"
         online_v1 = online.v1 if online else None
-        cmd = train_command(profile, as_text, prepared, save, layers, online_v1, fp8)
+        cmd = train_command(profile, as_text, prepared, save, layers, online_v1, fp8, pretrained)
         run_trainer(profile, folder, cmd)
         # Tokens the extraction server ran for training: the measured cost of online mode.
         generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
     drafter, config = checked_drafter(save, layers)
-    name_verifier(drafter, verifier.model, verifier_config(verifier.model, verifier.revision))
+    name_verifier(drafter, verifier.model, own_config)
     portable_drafter(profile, drafter)  # published as evaluated: no path of this machine
     outputs = drafter_outputs(
         drafter, config, folder / "progress.json", cmd, verifier, extract.outputs, generated_tokens
     )
+    if pretrained:
+        outputs.from_pretrained = pretrained.record
     return write_manifest(
         profile,
         "train",

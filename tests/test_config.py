@@ -32,6 +32,12 @@ def test_kimi_profile_is_the_hero_run():
     assert str(p.run.output_dir).startswith("/data")
     assert p.verifier.capture_layer_ids == [2, 30, 58]
     assert p.data.revision and len(p.data.revision) == 40
+    # The published Kimi-family drafters, measured beside ours (and alone, before training).
+    assert {r.path for r in p.eval.reference_drafters} == {
+        "AQ-MedAI/Kimi-K2-Instruct-eagle3",
+        "lightseekorg/kimi-k2.5-eagle3",
+        "lightseekorg/kimi-k2.5-eagle3-mla",
+    }
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -97,3 +103,24 @@ def test_servers_bind_loopback_only():
 def test_overrides_revalidate_and_apply():
     p = load_profile("configs/tiny.yaml", ["generate.concurrency=3", "run.name=x"])
     assert p.generate.concurrency == 3 and p.run.name == "x"
+
+
+def test_reference_drafters_and_finetuning_are_typed():
+    tiny = Path("configs/tiny.yaml")
+    alone = load_profile(
+        tiny, ["eval.methods=[]", "eval.reference_drafters=[{name: x, path: o/d}]"]
+    )
+    assert alone.eval.reference_drafters[0].layer_ids_from == "vllm"
+    assert alone.eval.reference_drafters[0].method == "eagle3"
+    with pytest.raises(ConfigError, match="eval has nothing to measure"):
+        load_profile(tiny, ["eval.methods=[]"])
+    with pytest.raises(ConfigError, match="is one of eval's own arms"):
+        load_profile(tiny, ["eval.reference_drafters=[{name: ngram, path: o/d}]"])
+    with pytest.raises(ConfigError, match="names a drafter twice"):
+        load_profile(tiny, ["eval.reference_drafters=[{name: a, path: o/d}, {name: a, path: o/e}]"])
+    with pytest.raises(ConfigError, match="layer_ids_from"):
+        load_profile(tiny, ["eval.reference_drafters=[{name: a, path: o/d, layer_ids_from: x}]"])
+    # A bare path is the drafter's path; the mapping names its revision and layer convention.
+    assert load_profile(tiny, ["train.from_pretrained=o/d"]).train.from_pretrained.path == "o/d"
+    given = load_profile(tiny, ["train.from_pretrained={path: o/d, layer_ids_from: sglang}"])
+    assert given.train.from_pretrained.layer_ids_from == "sglang"

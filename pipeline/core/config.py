@@ -226,6 +226,38 @@ class ExtractConfig(StrictModel):
     hidden_states_format: Literal["verifier_dtype", "fp8"] = "verifier_dtype"
 
 
+def _path_alone(value: Any) -> Any:
+    """A bare string names the drafter's path (``train.from_pretrained=/some/folder``)."""
+    return {"path": value} if isinstance(value, str) else value
+
+
+class PretrainedDrafter(StrictModel):
+    """A published (or earlier) EAGLE-3 drafter: a local folder or a Hub id, in speculators'
+    layout or the original EAGLE/SpecForge one (detected, converted where needed)."""
+
+    path: str = Field(min_length=1)
+    revision: str | None = None  # a Hub id's branch, tag or commit
+    # The engine whose convention the drafter's recorded layer ids follow: SGLang (SpecForge)
+    # counts a layer's output, vLLM the next layer's input, one higher.
+    layer_ids_from: Literal["vllm", "sglang"] = "vllm"
+
+
+class ReferenceDrafter(PretrainedDrafter):
+    """A drafter eval measures beside ours, on the same prompts, flags and k."""
+
+    # Names the arm in results and plots: not one of eval's own arms.
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    method: Literal["eagle3"] = "eagle3"
+    # The k to measure it at (each a server start); None: every k of eval.num_speculative_tokens.
+    num_speculative_tokens: list[PositiveInt] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _not_an_arm_name(self) -> ReferenceDrafter:
+        if self.name in ("baseline", "ngram", "eagle3", "served"):
+            raise ValueError(f"reference drafter name {self.name!r} is one of eval's own arms")
+        return self
+
+
 class TrainConfig(StrictModel):
     epochs: PositiveInt = 5
     learning_rate: float = Field(default=1e-4, gt=0)
@@ -248,8 +280,12 @@ class TrainConfig(StrictModel):
     num_workers: int = Field(default=4, ge=0)
     # Fraction of extracted samples trained on; the rest is speculators' validation split.
     train_data_ratio: float = Field(default=0.95, gt=0, le=1)
-    # Start from an existing speculators drafter (Hub id or path) instead of random init.
-    from_pretrained: str | None = None
+    # Finetune a published drafter (a path or Hub id, or {path, revision, layer_ids_from})
+    # instead of starting from random weights; it keeps its own draft vocabulary and must read
+    # the layers extraction captured.
+    from_pretrained: Annotated[PretrainedDrafter | None, BeforeValidator(_path_alone)] = None
+    # Stop after this many optimizer steps (None: train.epochs whole epochs).
+    max_steps: PositiveInt | None = None
     extra_args: list[str] = Field(default_factory=list)
 
     @property
@@ -269,8 +305,12 @@ class TrainConfig(StrictModel):
 class EvalConfig(StrictModel):
     # Draft tokens per step to sweep; vLLM fixes k when it starts, so each k is its own server.
     num_speculative_tokens: list[PositiveInt] = Field(default=[1, 2, 3, 4, 5], min_length=1)
-    # Drafters measured against the paired run without speculation, on the same server flags.
-    methods: list[Literal["ngram", "eagle3"]] = Field(default=["ngram", "eagle3"], min_length=1)
+    # Drafters measured against the paired run without speculation, on the same server flags;
+    # "eagle3" is the trained drafter (without it, eval needs no train stage).
+    methods: list[Literal["ngram", "eagle3"]] = Field(default=["ngram", "eagle3"])
+    # Published drafters measured beside ours at every k (before any training too: leave
+    # "eagle3" out of methods), each converted to what vLLM serves when needed.
+    reference_drafters: list[ReferenceDrafter] = Field(default_factory=list)
     # Requests in flight; must include 1 (Spec-Bench's batch size 1), where acceptance is also
     # measured per category and the headline is taken.
     concurrency: list[PositiveInt] = Field(default=[1, 16], min_length=1)
@@ -304,6 +344,11 @@ class EvalConfig(StrictModel):
             raise ValueError(f"eval.concurrency must include 1 (batch size 1): {self.concurrency}")
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
             raise ValueError("eval.ngram_prompt_lookup_min is above ngram_prompt_lookup_max")
+        if not self.methods and not self.reference_drafters:
+            raise ValueError("eval has nothing to measure: list eval.methods or reference_drafters")
+        names = [r.name for r in self.reference_drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.reference_drafters names a drafter twice: {names}")
         return self
 
 

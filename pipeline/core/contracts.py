@@ -94,6 +94,8 @@ class TrainOutputs(Outputs):
     command: list[str]
     hidden_states: dict[str, Any]
     verifier: dict[str, Any]
+    # The published drafter finetuned from (source, layout, conversion); absent when fresh.
+    from_pretrained: dict[str, Any] | None = None
 
 
 class EvalOutputs(Outputs):
@@ -172,6 +174,9 @@ class Contract:
     outputs: type[Outputs]
     inputs: tuple[str, ...]
     target: str  # the Make target that writes the folder
+    # Inputs a run of the stage may do without (recorded only when read): eval measuring
+    # reference drafters alone reads no `train`.
+    optional: tuple[str, ...] = ()
 
 
 # In pipeline order; the folder of each is <run>/<name>. `bench` measures and feeds nothing.
@@ -181,7 +186,7 @@ CONTRACTS: dict[str, Contract] = {
     "licenses": Contract(LicensesOutputs, ("generate",), "licenses"),
     "extract": Contract(ExtractOutputs, ("verifier", "generate"), "extract"),
     "train": Contract(TrainOutputs, ("verifier", "extract"), "train"),
-    "eval": Contract(EvalOutputs, ("verifier", "generate", "train"), "eval"),
+    "eval": Contract(EvalOutputs, ("verifier", "generate", "train"), "eval", ("train",)),
     "card": Contract(
         CardOutputs, ("verifier", "generate", "licenses", "extract", "train", "eval"), "card"
     ),

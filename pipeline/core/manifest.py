@@ -213,6 +213,8 @@ def input_records(profile: Profile, stage: str) -> dict[str, InputRecord]:
     records = {}
     for name in CONTRACTS[stage].inputs:
         path = manifest_path(profile, name)
+        if name in CONTRACTS[stage].optional and path.absolute() not in _READ:
+            continue
         if not path.is_file():
             raise StageInputError(f"{path} vanished while stage {stage!r} ran: rerun it")
         digest = _READ.get(path.absolute()) or sha256_file(path)

@@ -12,7 +12,7 @@ from pipeline.core.config import Profile
 
 
 def speculative_config(
-    profile: Profile, method: str, k: int | None, drafter: str
+    profile: Profile, method: str, k: int | None, drafter: str | None
 ) -> dict[str, Any] | None:
     """vLLM's speculative config for ``method`` at ``k``: ``ngram`` (with the profile's lookup
     bounds) or ``eagle3`` (the ``drafter`` checkpoint); None for any other (``baseline``, a

@@ -19,6 +19,7 @@ from pipeline.core.config import Profile, TrainConfig
 from pipeline.core.drafter import aux_layer_ids, drafter_config
 from pipeline.core.errors import PipelineError
 from pipeline.serving.vllm_api import LOOPBACK, free_port
+from pipeline.training.pretrained_drafter import PretrainedStart
 
 ENTRY = "pipeline.training.speculators_train"
 
@@ -60,10 +61,12 @@ def train_command(
     capture_layer_ids: list[int],
     online_v1: str | None = None,
     fp8: bool = False,
+    pretrained: PretrainedStart | None = None,
 ) -> list[str]:
     """speculators' training command; ``capture_layer_ids``: the aux layers extraction
     captured (without the last, which speculators appends), ``online_v1``: the extraction
-    server for online mode, ``fp8``: the stored shards are fp8 (extract's manifest says which)."""
+    server for online mode, ``fp8``: the stored shards are fp8 (extract's manifest says which),
+    ``pretrained``: the drafter to finetune, whose own shape and draft vocabulary are kept."""
     t, v = profile.train, profile.verifier
     if online_v1:
         hidden_states = ["--on-missing", "generate", "--vllm-endpoint", online_v1,
@@ -80,9 +83,7 @@ def train_command(
         "--verifier-name-or-path", verifier,
         "--data-path", str(prepared),
         "--target-layer-ids", *map(str, capture_layer_ids),
-        "--token-freq-path", str(prepared / "token_freq.pt"),
-        "--draft-vocab-size", str(t.draft_vocab_size),
-        "--num-layers", str(t.num_layers),
+        *draft_model_flags(t, prepared, pretrained),
         "--epochs", str(t.epochs),
         "--lr", str(t.learning_rate),
         "--total-seq-len", str(t.total_seq_len),
@@ -103,9 +104,28 @@ def train_command(
         cmd.append("--save-best")
     if t.fsdp_shard:
         cmd.append("--fsdp-shard")
-    if t.from_pretrained:
-        cmd += ["--from-pretrained", t.from_pretrained]
+    if t.max_steps:
+        cmd += ["--max-steps", str(t.max_steps)]
     return [*cmd, *t.extra_args]
+
+
+def draft_model_flags(
+    t: TrainConfig, prepared: Path, pretrained: PretrainedStart | None
+) -> list[str]:
+    """A fresh drafter's shape and draft vocabulary (from the token frequencies), or the
+    pretrained one with its own maps (speculators refuses shaping flags beside it)."""
+    if pretrained is None:
+        return [
+            "--token-freq-path", str(prepared / "token_freq.pt"),
+            "--draft-vocab-size", str(t.draft_vocab_size),
+            "--num-layers", str(t.num_layers),
+        ]  # fmt: skip
+    return [
+        "--from-pretrained", str(pretrained.drafter),
+        "--d2t-path", str(pretrained.d2t),
+        "--t2d-path", str(pretrained.t2d),
+        "--draft-vocab-size", str(pretrained.draft_vocab_size),
+    ]  # fmt: skip
 
 
 def final_checkpoint(save: Path) -> Path:
