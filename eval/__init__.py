@@ -91,9 +91,10 @@ def run(profile: Profile) -> dict[str, Any]:
         deployed=deployed,
     )  # fmt: skip
     compare_with_baseline(runs)
-    for run in runs:  # results are published: a reference is named by its source, not a path
-        if run["reference"]:
-            run["spec"] = {**run["spec"], "model": references[run["reference"]]["source"]}
+    for measured in runs:  # results are published: a reference is named by its source
+        if measured["reference"]:
+            source = references[measured["reference"]]["source"]
+            measured["spec"] = {**measured["spec"], "model": source}
     summary = headline(runs)
     outputs = take_outputs(runs)
     results = build_results(

@@ -17,10 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.atomic_files import sha256_file
 from pipeline.core.config import Profile
 from pipeline.core.contracts import VerifierOutputs
-from pipeline.core.drafter import drafter_digest
 from pipeline.training.pretrained_drafter import (
+    WEIGHT_FILES,
     PretrainedDrafterError,
     check_fits,
     fetch_drafter,
@@ -29,6 +30,12 @@ from pipeline.training.pretrained_drafter import (
     read_drafter,
 )
 from pipeline.training.text_view import text_view, verifier_config
+
+
+def served_digest(folder: Path) -> dict[str, str]:
+    """sha256 of the config and weights vLLM loads from ``folder`` (safetensors or .bin)."""
+    names = ("config.json", *WEIGHT_FILES)
+    return {n: sha256_file(folder / n) for n in names if (folder / n).is_file()}
 
 
 def prepare_references(
@@ -63,6 +70,6 @@ def prepare_references(
             "converted": served != drafter.folder,
             "layer_ids": ids,
             "draft_vocab_size": drafter.draft_vocab_size,
-            "served_sha256": drafter_digest(served),
+            "served_sha256": served_digest(served),
         }
     return paths, records

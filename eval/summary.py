@@ -58,7 +58,9 @@ def headline(runs: list[dict[str, Any]]) -> dict[str, Any]:
         summary["eagle3_over_ngram_acceptance_length"] = (
             summary["mean_acceptance_length"] / length if length else None
         )
-    names = dict.fromkeys(r["reference"] for r in runs if r["reference"] and r is not run)
+    names = dict.fromkeys(
+        r["reference"] for r in runs if r["reference"] and r["reference"] != run["reference"]
+    )
     if names:
         summary["references"] = {
             name: versus(summary, closest(runs, name, run["k"])) for name in names

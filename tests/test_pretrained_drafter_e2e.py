@@ -181,6 +181,7 @@ def test_reference_first_then_a_finetune_that_starts_where_it_was(tiny_run, publ
     assert results["summary"]["series"] == "published"
     record = results["reference_drafters"]["published"]
     assert record["source"] == HUB_ID and record["layout"] == "eagle" and record["converted"]
+    assert str(tmp_path) not in json.dumps(results)  # not the Hub cache's path either
     published_alone = batch_size_one(results, "published")
     assert not published_alone["mismatched_prompt_ids"]  # lossless, as any arm
     # The same weights as the tiny run's drafter, on the same prompts and k: the same acceptance.
@@ -232,6 +233,13 @@ def test_reference_first_then_a_finetune_that_starts_where_it_was(tiny_run, publ
     table = (runs / "tiny" / "eval" / "results.md").read_text()
     assert "| published | tiny-eagle3 | eagle, converted | 3 |" in table
     assert str(tmp_path) not in json.dumps(results)  # published: no path of this machine
+
+    # 4. The card sets the finetune beside the published drafter, and says where it started.
+    card = run_module("model_card.card", runs)
+    assert card.returncode == 0, card.stderr[-3000:]
+    readme = (runs / "tiny" / "card" / "README.md").read_text()
+    assert "| reference drafter `published`, k=3, same prompts: mean acceptance length |" in readme
+    assert "| finetuned from | `tiny-eagle3` (eagle layout, converted)" in readme
 
 
 def read_results(profile) -> dict:

@@ -429,6 +429,12 @@ class Profile(StrictModel):
                 f"extract.max_seq_len={self.extract.max_seq_len} exceeds "
                 f"server.max_model_len={self.server.max_model_len}"
             )
+        e = self.eval
+        if "eagle3" not in e.methods and not e.reference_drafters and not self.server.base_url:
+            raise ValueError(
+                "eval measures no EAGLE-3 drafter: add eagle3 to eval.methods (ours), list "
+                "eval.reference_drafters, or set server.base_url (a deployment)"
+            )
         return self
 
     def dump(self) -> dict[str, Any]:

@@ -6,9 +6,10 @@ Run as: make export-drafter [OUT=folder]
 Reads the `train` stage's drafter (speculators' format) and writes ``config.json``
 (``LlamaForCausalLMEagle3``, the capture-layer ids and norms in the config) and
 ``model.safetensors`` (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``/``t2d``, no
-embedding) to ``--out`` (default ``<run>/export/eagle-layout``): the layout SGLang and the EAGLE
-authors' code load, which vLLM serves too, and which ``train.from_pretrained`` and
-``eval.reference_drafters`` convert back (:mod:`pipeline.training.pretrained_drafter`).
+embedding) to ``--out`` (default ``<run>/export/eagle-layout``): the layout SpecForge and the
+EAGLE authors publish, which vLLM serves as it is, and which ``train.from_pretrained`` and
+``eval.reference_drafters`` convert back (:mod:`pipeline.training.pretrained_drafter`). The
+layer ids are vLLM's; SGLang counts a layer one lower (subtract 1 for it).
 """
 
 from __future__ import annotations

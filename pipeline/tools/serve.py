@@ -34,7 +34,9 @@ def drafter_speculative_config(profile: Profile, k: int | None) -> dict[str, Any
         k = max(profile.eval.num_speculative_tokens)
         # The k eval measured best, when eval measured this drafter (it may be stale, or not run).
         with contextlib.suppress(StageInputError):
-            k = stage_manifest(profile, "eval").outputs.summary["num_speculative_tokens"]
+            summary = stage_manifest(profile, "eval").outputs.summary
+            if summary.get("series", "eagle3") in ("eagle3", "served"):  # not a reference's
+                k = summary["num_speculative_tokens"]
     return speculative_config(profile, "eagle3", k, drafter)
 
 

@@ -75,9 +75,8 @@ class DrafterLayout:
         return layer["vocab_size"]
 
     @property
-    def fc_input_size(self) -> int | None:
-        shape = self.shapes.get("fc.weight")
-        return shape[1] if shape else None
+    def fc_input_size(self) -> int:
+        return self.shapes["fc.weight"][1]
 
     @property
     def has_embedding(self) -> bool:
@@ -98,12 +97,16 @@ def fetch_drafter(source: PretrainedDrafter) -> Path:
     if Path(source.path).is_absolute() or source.path.startswith("."):
         raise PretrainedDrafterError(f"pretrained drafter {source.path}: no such folder")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     try:
         return Path(
             snapshot_download(source.path, revision=source.revision, allow_patterns=HUB_FILES)
         )
+    except HFValidationError:
+        raise PretrainedDrafterError(
+            f"pretrained drafter {source.path}: neither a local folder nor a Hub id (owner/name)"
+        ) from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
         raise PretrainedDrafterError(
             f"pretrained drafter {source.path}: not a local folder, and the Hub snapshot is "
@@ -142,6 +145,13 @@ def implied_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def recorded_layer_ids(config: dict[str, Any]) -> list[int] | None:
+    """An original-layout config's layer ids where vLLM looks: the top level, then
+    ``eagle_config``."""
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return config.get("eagle_aux_hidden_state_layer_ids") or nested
+
+
 def read_drafter(folder: Path, *, layer_ids_from: str = "vllm") -> DrafterLayout:
     """The drafter in ``folder``: its layout and what must match the verifier.
     ``layer_ids_from``: the engine whose convention its recorded layer ids follow."""
@@ -155,18 +165,17 @@ def read_drafter(folder: Path, *, layer_ids_from: str = "vllm") -> DrafterLayout
         kind = "speculators"
         ids = config.get("eagle_aux_hidden_state_layer_ids")
     elif any("Deepseek" in a for a in architectures):
-        kind = "eagle-mla"
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        kind, ids = "eagle-mla", recorded_layer_ids(config)
     elif any(k.startswith("midlayer.") for k in shapes):
-        kind = "eagle"
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        kind, ids = "eagle", recorded_layer_ids(config)
     else:
         raise PretrainedDrafterError(
             f"{folder}: not an EAGLE-3 drafter this pipeline knows (architectures "
             f"{architectures}, no speculators_config and no midlayer.* weights)"
         )
-    if "lm_head.weight" not in shapes:
-        raise PretrainedDrafterError(f"{folder}: the drafter has no lm_head.weight")
+    for needed in ("lm_head.weight", "fc.weight"):  # EAGLE-3 reads the verifier through fc
+        if needed not in shapes:
+            raise PretrainedDrafterError(f"{folder}: not an EAGLE-3 drafter, no {needed}")
     if ids is not None and layer_ids_from == "sglang":
         ids = [i + 1 for i in ids]  # SGLang records a layer's output, vLLM the next one's input
     return DrafterLayout(folder, kind, config, shapes, list(ids) if ids is not None else None)
@@ -195,7 +204,7 @@ def check_fits(
     hidden, vocab, layers = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
     ids = effective_layer_ids(drafter, verifier_config)
     where = f"{name} ({drafter.folder})"
-    if drafter.fc_input_size is not None and drafter.fc_input_size != len(ids) * hidden:
+    if drafter.fc_input_size != len(ids) * hidden:
         raise PretrainedDrafterError(
             f"{where}: its fc reads {drafter.fc_input_size} features, but {len(ids)} layers of "
             f"this verifier give {len(ids) * hidden} (hidden size {hidden}): a drafter for "
@@ -211,6 +220,10 @@ def check_fits(
             f"{where}: reads layers {ids}, not distinct layers of a {layers}-layer verifier; "
             "give the ids in eagle_config.eagle_aux_hidden_state_layer_ids (and layer_ids_from: "
             "sglang when SGLang trained it)"
+        )
+    if drafter.kind == "eagle" and len(ids) != 3:
+        raise PretrainedDrafterError(
+            f"{where}: reads {len(ids)} layers {ids}; an original-layout EAGLE-3 drafter reads 3"
         )
     if capture_layer_ids is not None and ids != capture_layer_ids:
         raise PretrainedDrafterError(
@@ -233,8 +246,24 @@ def _convert_eagle(drafter: DrafterLayout, out: Path, verifier: str, layer_ids: 
 
     c = drafter.config
     nested = c.get("eagle_config") or {}
+    source = out.parent / f".{out.name}-source"
+    shutil.rmtree(source, ignore_errors=True)
+    source.mkdir(parents=True)
+    for item in drafter.folder.iterdir():
+        if item.name != "config.json":
+            (source / item.name).symlink_to(item.resolve())
+    # What the converter would otherwise default (32000 tokens, fc over 3 x its own hidden size,
+    # float32 unless the older `torch_dtype` is set): the shapes the weights have.
+    target_hidden = drafter.fc_input_size // len(layer_ids)
+    filled = {
+        **c,
+        "draft_vocab_size": drafter.draft_vocab_size,
+        "target_hidden_size": None if target_hidden == c["hidden_size"] else target_hidden,
+        "torch_dtype": c.get("torch_dtype") or c.get("dtype") or "bfloat16",
+    }
+    atomic_write_json(source / "config.json", filled)
     Eagle3Converter().convert(
-        drafter.folder,
+        source,
         out,
         verifier,
         validate=False,  # its validation loads the whole verifier
@@ -244,6 +273,7 @@ def _convert_eagle(drafter: DrafterLayout, out: Path, verifier: str, layer_ids: 
         norm_output=bool(c.get("norm_output", False)),
         eagle_aux_hidden_state_layer_ids=layer_ids,
     )
+    shutil.rmtree(source)
 
 
 def _verifier_embedding(verifier: str) -> Any:
@@ -315,8 +345,9 @@ def write_vocab_maps(drafter: Path, folder: Path) -> tuple[Path, Path] | None:
 
 def write_eagle_layout(checkpoint: Path, out: Path) -> Path:
     """A speculators-format drafter in the original EAGLE (SpecForge) layout, as published
-    drafters come: ``LlamaForCausalLMEagle3`` with its layer ids and norms in the config,
-    ``midlayer.*`` weights, no embedding (the verifier's is used). vLLM serves it as it is."""
+    drafters come: ``LlamaForCausalLMEagle3`` with its layer ids (vLLM's convention: SGLang
+    counts one lower) and norms in the config, ``midlayer.*`` weights, no embedding (the
+    verifier's is used). vLLM serves it as it is."""
     from safetensors.torch import save_file
 
     config = json.loads((checkpoint / "config.json").read_text())
