@@ -26,7 +26,7 @@ from pipeline.training.pretrained_drafter import (
     check_fits,
     fetch_drafter,
     prepare_drafter,
-    public_name,
+    provenance,
     read_drafter,
 )
 from pipeline.training.text_view import text_view, verifier_config
@@ -64,12 +64,9 @@ def prepare_references(
             served = drafter.folder
         paths[ref.name] = str(served)
         records[ref.name] = {
-            "source": public_name(ref),
-            "revision": ref.revision,
-            "layout": drafter.kind,
+            **provenance(ref, drafter),
             "converted": served != drafter.folder,
             "layer_ids": ids,
-            "draft_vocab_size": drafter.draft_vocab_size,
             "served_sha256": served_digest(served),
         }
     return paths, records

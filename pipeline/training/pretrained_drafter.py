@@ -25,7 +25,7 @@ drafter keeps its own draft vocabulary (``d2t``/``t2d``), never one recomputed f
 
 from __future__ import annotations
 
-import json
+import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 
 from pipeline.core.atomic_files import atomic_write_json
 from pipeline.core.config import PretrainedDrafter
+from pipeline.core.drafter import aux_layer_ids, drafter_config
 from pipeline.core.errors import PipelineError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -121,6 +122,18 @@ def public_name(source: PretrainedDrafter) -> str:
     return Path(source.path).name if Path(source.path).is_dir() else source.path
 
 
+def provenance(source: PretrainedDrafter, drafter: DrafterLayout) -> dict[str, Any]:
+    """What a manifest or results record of a pretrained drafter: where it came from, in which
+    layout and layer-id convention, its draft vocabulary."""
+    return {
+        "source": public_name(source),
+        "revision": source.revision,
+        "layout": drafter.kind,
+        "layer_ids_from": source.layer_ids_from,
+        "draft_vocab_size": drafter.draft_vocab_size,
+    }
+
+
 def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     if (folder / "model.safetensors").is_file():
         from safetensors import safe_open
@@ -155,15 +168,11 @@ def recorded_layer_ids(config: dict[str, Any]) -> list[int] | None:
 def read_drafter(folder: Path, *, layer_ids_from: str = "vllm") -> DrafterLayout:
     """The drafter in ``folder``: its layout and what must match the verifier.
     ``layer_ids_from``: the engine whose convention its recorded layer ids follow."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise PretrainedDrafterError(f"cannot read {folder / 'config.json'}: {err}") from None
+    config = drafter_config(folder)
     shapes = _weight_shapes(folder)
     architectures = config.get("architectures") or []
     if "speculators_config" in config:
-        kind = "speculators"
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        kind, ids = "speculators", aux_layer_ids(config)
     elif any("Deepseek" in a for a in architectures):
         kind, ids = "eagle-mla", recorded_layer_ids(config)
     elif any(k.startswith("midlayer.") for k in shapes):
@@ -294,21 +303,20 @@ def prepare_drafter(drafter: DrafterLayout, out: Path, verifier: str, layer_ids:
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    source = _load_weights(drafter.folder)
     if drafter.kind == "eagle":
         _convert_eagle(drafter, out, verifier, layer_ids)
         weights = _load_weights(out)
-        config = json.loads((out / "config.json").read_text())
+        config = drafter_config(out)
         layer = config["transformer_layer_config"]
         for field in FIELDS_THE_CONVERTER_DROPS:
             if field in drafter.config:
                 layer[field] = drafter.config[field]
-        if "input_norm.weight" in source:
-            weights["input_norm.weight"] = source["input_norm.weight"]
+        if "input_norm.weight" in drafter.shapes:  # read again only when the converter dropped it
+            weights["input_norm.weight"] = _load_weights(drafter.folder)["input_norm.weight"]
             config["norm_before_fc"] = True
     else:
-        weights = source
-        config = json.loads(json.dumps(drafter.config))
+        weights = _load_weights(drafter.folder)
+        config = copy.deepcopy(drafter.config)
     config["draft_vocab_size"] = drafter.draft_vocab_size
     config["eagle_aux_hidden_state_layer_ids"] = layer_ids
     config["speculators_config"]["verifier"]["name_or_path"] = verifier
@@ -350,7 +358,7 @@ def write_eagle_layout(checkpoint: Path, out: Path) -> Path:
     verifier's is used). vLLM serves it as it is."""
     from safetensors.torch import save_file
 
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = drafter_config(checkpoint)
     layer = dict(config["transformer_layer_config"])
     layer.update(
         architectures=["LlamaForCausalLMEagle3"],
@@ -417,12 +425,5 @@ def start_from(
         d2t=maps[0],
         t2d=maps[1],
         draft_vocab_size=drafter.draft_vocab_size,
-        record={
-            "source": public_name(source),
-            "revision": source.revision,
-            "layout": drafter.kind,
-            "layer_ids_from": source.layer_ids_from,
-            "converted": drafter.kind != "speculators",
-            "draft_vocab_size": drafter.draft_vocab_size,
-        },
+        record={**provenance(source, drafter), "converted": drafter.kind != "speculators"},
     )
