@@ -10,17 +10,24 @@ drafter and each reference drafter (``eval.reference_drafters``: published draft
 by ``eval/references.py`` where vLLM needs it) at each k in ``eval.num_speculative_tokens``.
 Without ``eagle3`` in ``eval.methods`` it measures the reference drafters alone and needs no
 `train` stage: the "test the published drafter first" step. Each arm sends the same greedy
-requests at each level of ``eval.concurrency``; at concurrency 1 it goes category by category.
-Acceptance comes from ``/metrics`` counter deltas around each batch (prometheus-client's
-parser), in vLLM's conventions: acceptance rate (with k), mean acceptance length
-1 + accepted / drafts, per-position acceptance; then output tokens/s, time per output token
-and speedup against the baseline at the same concurrency.
+requests at each level of ``eval.concurrency``, ``eval.repeats`` times on its server.
+Acceptance comes from ``/metrics`` counter deltas (prometheus-client's parser), around each
+pass and, at concurrency 1, around each request (so per prompt and per category), in vLLM's
+conventions: acceptance rate (with k), mean acceptance length 1 + accepted / drafts,
+per-position acceptance; then output tokens/s, time per output token and speedup against the
+baseline at the same concurrency, each with a 95% bootstrap interval over prompts
+(``eval.intervals``). Each arm is measured once more at the verifier's deployment sampling
+(``eval.sampled``), its replies tested against the baseline's as distributions
+(``eval.sampled_lossless``).
 
-Writes ``<run>/eval/results.json`` (every arm and level, per category, losslessness, the
-headline: the EAGLE-3 k with the best batch-size-1 speedup, beside ngram and each reference
-drafter at that k; the prompts skipped as too long for the context), ``results.md``, three PNG
-plots, ``outputs.json`` (every response, with its token ids), ``lm-eval/<arm>.json`` (lm-eval's
-scores and each document's response, with and without the drafter) and ``manifest.json``.
+Writes ``<run>/eval/results.json`` (every arm and level with its intervals, per category with
+too-small categories marked, losslessness, the headline: the EAGLE-3 k with the best
+batch-size-1 speedup when its lead is beyond the noise, else the smaller k, beside ngram and
+each reference drafter at that k, and the k to use at each measured concurrency; the prompts
+skipped as too long for the context), ``results.md``, four PNG plots, ``outputs.json`` (every
+response, with its token ids), ``samples.json`` (each prompt's measurements pooled over
+repeats: what the intervals resample), ``lm-eval/<arm>.json`` (lm-eval's scores and each
+document's response, with and without the drafter) and ``manifest.json``.
 
 Invariants (each a refusal or an error naming what to check, never a silent number):
 - a prompt longer than ``server.max_model_len - eval.max_tokens`` tokens (the verifier's
@@ -30,10 +37,12 @@ Invariants (each a refusal or an error naming what to check, never a silent numb
 - an EAGLE-3 arm with no draft step, or 0 accepted tokens (acceptance length exactly 1.0);
 - greedy outputs with each drafter are compared token by token with the baseline's, and
   lm-eval's scores with and without the drafter must match (``eval/lossless_lm_eval.py``);
-  differences are reported by prompt or document id.
+  differences are reported by prompt or document id; sampled replies are compared as
+  distributions, by a stated permutation test and its p-values.
 
 This module is the stage's story (:func:`run`); the steps live in ``eval.measure`` (servers and
-requests), ``eval.guards`` (the invariants above), ``eval.summary`` (speedups, headline) and
+requests), ``eval.guards`` (the invariants above), ``eval.intervals`` (the bootstrap),
+``eval.summary`` (speedups, headline) and
 ``eval.report`` (the files).
 """
 
@@ -50,10 +59,12 @@ from eval.guards import (
     skip_too_long,
     train_serve_consistency,
 )
+from eval.intervals import Bootstrap, add_intervals
 from eval.measure import measure_arms, take_outputs
 from eval.prompts import check_held_out, eval_data_revision, load_eval_prompts
 from eval.references import prepare_references
 from eval.report import write_results
+from eval.sampled_lossless import compare_sampled_arms
 from eval.summary import build_results, headline
 from pipeline.core.config import Profile
 from pipeline.core.contracts import EvalOutputs
@@ -91,12 +102,16 @@ def run(profile: Profile) -> dict[str, Any]:
         deployed=deployed,
     )  # fmt: skip
     compare_with_baseline(runs)
+    if profile.eval.sampled is not None:
+        compare_sampled_arms(runs, profile.eval.sampled, profile.run.seed)
+    bootstrap = Bootstrap(profile.eval.bootstrap_resamples, profile.run.seed)
+    add_intervals(runs, bootstrap, profile.eval.min_category_prompts)
     for measured in runs:  # results are published: a reference is named by its source
         if measured["reference"]:
             source = references[measured["reference"]]["source"]
             measured["spec"] = {**measured["spec"], "model": source}
-    summary = headline(runs)
-    outputs = take_outputs(runs)
+    summary = headline(runs, bootstrap)
+    outputs, samples = take_outputs(runs)
     results = build_results(
         profile,
         runs,
@@ -116,7 +131,7 @@ def run(profile: Profile) -> dict[str, Any]:
             "min_ratio": profile.eval.min_served_over_validation,
             "positions": consistency,
         }
-    write_results(profile, folder, results, outputs, deployed=deployed)
+    write_results(profile, folder, results, outputs, samples, deployed=deployed)
     # After the results are on disk: a refusal leaves every figure to look at.
     where = f"eagle3 k={summary['num_speculative_tokens']} at batch size 1"
     check_consistency(consistency, profile.eval.min_served_over_validation, where)

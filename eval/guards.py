@@ -113,13 +113,23 @@ def check_acceptance(arm: Arm, level: dict[str, Any], min_length: float) -> None
 
 
 def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a["token_ids"] is not None and b["token_ids"] is not None:
-        return a["token_ids"] == b["token_ids"]
-    return a["text"] == b["text"]
+    """The same reply, token by token (text where a server gave no ids), turn by turn."""
+    turns_a, turns_b = a.get("turns", [a]), b.get("turns", [b])
+    if len(turns_a) != len(turns_b):
+        return False
+    for x, y in zip(turns_a, turns_b, strict=True):
+        if x["token_ids"] is not None and y["token_ids"] is not None:
+            if x["token_ids"] != y["token_ids"]:
+                return False
+        elif x["text"] != y["text"]:
+            return False
+    return True
 
 
 def compare_with_baseline(runs: list[dict[str, Any]]) -> None:
-    """Speedup and greedy-output identity of every arm against the baseline, level by level."""
+    """Speedup and greedy-output identity of every arm against the baseline, level by level
+    (each repeat's speedup against the baseline's same repeat); the speedup of its sampled
+    level, whose replies are compared as distributions (:mod:`eval.sampled_lossless`)."""
     baseline = next((r for r in runs if r["method"] == "baseline"), None)
     if baseline is None:
         return
@@ -137,6 +147,13 @@ def compare_with_baseline(runs: list[dict[str, Any]]) -> None:
             )
             for cat, figs in level.get("per_category", {}).items():
                 figs["speedup"] = ratio(base["per_category"][cat]["time_per_output_token_s"], figs)
+            for mine, base_repeat in zip(
+                level.get("per_repeat", []), base.get("per_repeat", []), strict=True
+            ):
+                mine["speedup"] = ratio(base_repeat["time_per_output_token_s"], mine)
+        if "sampled" in run and "sampled" in baseline:  # replies differ by design: speed only
+            sampled, base = run["sampled"], baseline["sampled"]
+            sampled["speedup"] = ratio(base["time_per_output_token_s"], sampled)
 
 
 def train_serve_consistency(

@@ -6,13 +6,16 @@ Two sources, one shape:
 - ``eval.question_file``: Spec-Bench's or MT-bench's ``question.jsonl``, one
   ``{"question_id", "category", "turns": [...]}`` object per line.
 
-Only the conversation up to its first user turn is sent, so runs are comparable across
-sources. A prompt whose text is also a training prompt is an error: acceptance measured on
-training data overstates what users will see.
+From ``data.eval_dataset`` the conversation up to its first user turn is sent. A question
+file's every turn is sent, as Spec-Bench does: each later turn (``EvalPrompt.followups``) after
+the verifier's own reply to the one before, within each arm. A prompt any of whose user turns
+is also a training prompt is an error: acceptance measured on training data overstates what users
+will see.
 
 A prompt that cannot fit the server's context with room for the reply (its tokens, counted with
 the verifier's own tokenizer and chat template as vLLM renders them, above
-``server.max_model_len - eval.max_tokens``) is skipped before any server starts, and recorded
+``server.max_model_len - eval.max_tokens``; for several turns, the whole conversation with every
+earlier reply counted at ``eval.max_tokens``) is skipped before any server starts, and recorded
 with its id, category and token count (:func:`fit_to_context`): vLLM would cut its reply short
 of ``eval.max_tokens`` (measured unlike the others), or refuse it with a 400 once the prompt
 alone fills ``max_model_len``.
@@ -40,6 +43,15 @@ class EvalPrompt:
     id: str
     category: str
     messages: tuple[dict[str, str], ...]
+    # User turns sent after the verifier's reply to the one before (a question file's second).
+    followups: tuple[str, ...] = ()
+
+    def conversation(self, replies: list[str]) -> list[dict[str, str]]:
+        """The messages of the next request, after the verifier's ``replies`` so far."""
+        messages = list(self.messages)
+        for reply, text in zip(replies, self.followups, strict=False):
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": text}]
+        return messages
 
     @property
     def first_user_text(self) -> str:
@@ -60,8 +72,8 @@ def read_question_file(path: Path) -> list[EvalPrompt]:
         except json.JSONDecodeError as err:
             raise EvalPromptError(f"{where}: not JSON ({err.msg})") from None
         turns = q.get("turns") if isinstance(q, dict) else None
-        if not (isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]):
-            raise EvalPromptError(f"{where}: 'turns' must be a list starting with a question")
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
+            raise EvalPromptError(f"{where}: 'turns' must be a list of non-empty questions")
         if "question_id" not in q or not isinstance(q.get("category"), str):
             raise EvalPromptError(f"{where}: needs 'question_id' and a 'category' string")
         prompts.append(
@@ -69,6 +81,7 @@ def read_question_file(path: Path) -> list[EvalPrompt]:
                 id=str(q["question_id"]),
                 category=q["category"],
                 messages=({"role": "user", "content": turns[0]},),
+                followups=tuple(turns[1:]),
             )
         )
     if not prompts:
@@ -119,11 +132,16 @@ def by_category(prompts: list[EvalPrompt]) -> dict[str, list[EvalPrompt]]:
 
 
 def check_held_out(prompts: list[EvalPrompt], responses: Path) -> None:
-    """Refuse prompts whose first user turn is also a training prompt's (``generate`` output)."""
+    """Refuse prompts any of whose user turns is also a training prompt's (``generate``
+    output)."""
     trained = {
         text.strip() for record in read_responses(responses) for text in record.turns("human")
     }
-    leaked = [p.id for p in prompts if p.first_user_text.strip() in trained]
+    leaked = [
+        p.id
+        for p in prompts
+        if any(text.strip() in trained for text in (p.first_user_text, *p.followups))
+    ]
     if leaked:
         raise EvalPromptError(
             f"{len(leaked)} evaluation prompts are also training prompts (ids {leaked[:5]}...): "
@@ -137,7 +155,9 @@ def prompt_token_counts(
 ) -> dict[str, int]:
     """Each prompt's tokens as vLLM's chat endpoint counts them: the chat template rendered
     with a generation prompt (and ``generate.chat_template_kwargs``, which eval sends too),
-    then tokenised without special tokens of its own."""
+    then tokenised without special tokens of its own. A conversation of several turns counts
+    its last request, every earlier reply taken at ``eval.max_tokens``: a bound on what it
+    sends."""
     from transformers import AutoTokenizer
 
     v = profile.verifier
@@ -152,13 +172,15 @@ def prompt_token_counts(
         ) from None
     counts = {}
     for p in prompts:
+        replies = [""] * len(p.followups)
         text = tokenizer.apply_chat_template(
-            list(p.messages),
+            p.conversation(replies),
             tokenize=False,
             add_generation_prompt=True,
             **profile.generate.chat_template_kwargs,
         )
-        counts[p.id] = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        rendered = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        counts[p.id] = rendered + len(replies) * profile.eval.max_tokens
     return counts
 
 

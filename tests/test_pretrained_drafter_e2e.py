@@ -37,7 +37,8 @@ REPO = Path(__file__).parent.parent
 HUB_ID = "tester/tiny-eagle3-published"
 TOKEN = "hf_local_pretrained_drafter_test"
 # One k, batch size 1, no lm-eval: each arm is a server start.
-ARMS = ["eval.num_speculative_tokens=[3]", "eval.concurrency=[1]", "eval.lm_eval_tasks=[]"]
+ARMS = ["eval.num_speculative_tokens=[3]", "eval.concurrency=[1]", "eval.lm_eval_tasks=[]",
+        "eval.sampled=null"]  # fmt: skip
 # A handful of steps at a small rate: where a finetune starts, not where it ends.
 HANDFUL = ["train.epochs=1", "train.max_steps=10", "train.learning_rate=0.0001"]
 
@@ -174,11 +175,21 @@ def test_reference_first_then_a_finetune_that_starts_where_it_was(tiny_run, publ
     # 1. The published drafter alone, before training: no train stage exists.
     with LocalHub({TOKEN: "tester"}).running() as endpoint:
         env = push_to_local_hub(endpoint, published, tmp_path / "hf-home")
-        only = ["eval.methods=[]", f"eval.reference_drafters=[{reference}]", *ARMS]
-        alone = run_module("eval", runs, *only, env=env)
+        # Two passes of every prompt on each server: figures pool them, each keeps its own.
+        only = ["eval.methods=[]", f"eval.reference_drafters=[{reference}]", "eval.repeats=2"]
+        alone = run_module("eval", runs, *only, *ARMS, env=env)
     assert alone.returncode == 0, alone.stderr[-3000:]
     results = json.loads((runs / "tiny" / "eval" / "results.json").read_text())
     assert results["summary"]["series"] == "published"
+    assert len(results["summary"]["speedup_per_repeat"]) == 2
+    repeated = batch_size_one(results, "published")
+    assert [r["prompts"] for r in repeated["per_repeat"]] == [24, 24]
+    assert sum(r["output_tokens"] for r in repeated["per_repeat"]) == repeated["output_tokens"]
+    samples = json.loads((runs / "tiny" / "eval" / "samples.json").read_text())["published-k3-c1"]
+    outputs = json.loads((runs / "tiny" / "eval" / "outputs.json").read_text())["published-k3-c1"]
+    for pid, sample in samples.items():  # greedy: both passes gave the same reply
+        assert sample["completion_tokens"] == 2 * outputs[pid]["completion_tokens"], pid
+    assert sum(s["drafts"] for s in samples.values()) == repeated["acceptance"]["drafts"]
     record = results["reference_drafters"]["published"]
     assert record["source"] == HUB_ID and record["layout"] == "eagle" and record["converted"]
     assert str(tmp_path) not in json.dumps(results)  # not the Hub cache's path either

@@ -302,6 +302,24 @@ class TrainConfig(StrictModel):
         return self
 
 
+class SampledEvalConfig(StrictModel):
+    """Each arm measured again at the verifier's deployment sampling, where speculative
+    rejection sampling accepts differently and losslessness is a matter of distributions."""
+
+    # None: generate's (what the verifier is served at, and what the drafter trained on).
+    temperature: float | None = Field(default=None, gt=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    # Replies per prompt, each with its own seed (the same seeds in every arm): the draws the
+    # distribution test compares.
+    replies_per_prompt: int = Field(default=4, ge=2)
+    # Requests in flight: acceptance does not depend on it; speedup is reported at it.
+    concurrency: PositiveInt = 1
+    # The stratified permutation test of eval/sampled_lossless.py: permutations, and the level
+    # below which either of its two p-values (Bonferroni: alpha / 2) calls the arms different.
+    permutations: int = Field(default=2000, ge=200)
+    alpha: float = Field(default=0.01, gt=0, lt=1)
+
+
 class EvalConfig(StrictModel):
     # Draft tokens per step to sweep; vLLM fixes k when it starts, so each k is its own server.
     num_speculative_tokens: list[PositiveInt] = Field(default=[1, 2, 3, 4, 5], min_length=1)
@@ -315,6 +333,17 @@ class EvalConfig(StrictModel):
     # measured per category and the headline is taken.
     concurrency: list[PositiveInt] = Field(default=[1, 16], min_length=1)
     max_tokens: PositiveInt = 256
+    # Times each arm sends every prompt at each concurrency, on the same server (Spec-Bench
+    # reports the mean of 3 runs); figures pool the repeats, and each repeat's own speedup is
+    # kept beside them.
+    repeats: PositiveInt = 1
+    # 95% intervals: bootstrap resamples over prompts (each prompt's repeats together, paired
+    # with the baseline's on the same prompts).
+    bootstrap_resamples: int = Field(default=2000, ge=200)
+    # A category with fewer prompts than this is marked as too few to say anything about.
+    min_category_prompts: PositiveInt = 10
+    # Every arm also at deployment sampling (null: greedy only, as when generate is greedy).
+    sampled: SampledEvalConfig | None = Field(default_factory=SampledEvalConfig)
     # Below this mean acceptance length an EAGLE-3 arm is an error: an untrained or miswired
     # drafter gives about 1.0 (the wrong method name, wrong capture layers).
     min_acceptance_length: float = Field(default=1.1, ge=1)
@@ -326,7 +355,8 @@ class EvalConfig(StrictModel):
     ngram_prompt_lookup_min: PositiveInt = 2
     ngram_prompt_lookup_max: PositiveInt = 4
     # Spec-Bench's or MT-bench's question.jsonl (question_id, category, turns) to measure
-    # instead of data.eval_dataset; the first turn of each question is sent.
+    # instead of data.eval_dataset; every turn is sent, each later one after the verifier's
+    # reply to the one before (as Spec-Bench does).
     question_file: Path | None = None
     # Losslessness through lm-eval's local-completions model, with and without the drafter;
     # an empty list skips it. The default task is built from data.eval_dataset (chrF of the

@@ -392,3 +392,10 @@ def data_revision(dataset: str, revision: str | None) -> dict[str, Any]:
         with f.open("rb") as fh:
             hashlib.file_digest(fh, lambda: digest)
     return {"dataset": dataset, "revision": None, "sha256": digest.hexdigest()}
+
+
+def request_seed(run_seed: int, row_id: str, turn: int) -> int:
+    """The sampling seed of one reply: fixed by the run seed, the prompt and the turn, so a
+    resumed or resharded run samples each reply as an uninterrupted one would."""
+    digest = hashlib.sha256(f"{run_seed}:{row_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1  # a non-negative 31-bit integer

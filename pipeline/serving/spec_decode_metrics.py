@@ -35,15 +35,22 @@ class SpecDecodeCounters:
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
 
     def __sub__(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
-        positions = set(self.accepted_per_pos) | set(before.accepted_per_pos)
+        return self._combine(before, -1)
+
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        """Two deltas together (e.g. the requests of one category, each measured alone)."""
+        return self._combine(other, 1)
+
+    def _combine(self, other: SpecDecodeCounters, sign: int) -> SpecDecodeCounters:
+        positions = set(self.accepted_per_pos) | set(other.accepted_per_pos)
         return SpecDecodeCounters(
-            drafts=self.drafts - before.drafts,
-            draft_tokens=self.draft_tokens - before.draft_tokens,
-            accepted=self.accepted - before.accepted,
-            generation_tokens=self.generation_tokens - before.generation_tokens,
-            prompt_tokens=self.prompt_tokens - before.prompt_tokens,
+            drafts=self.drafts + sign * other.drafts,
+            draft_tokens=self.draft_tokens + sign * other.draft_tokens,
+            accepted=self.accepted + sign * other.accepted,
+            generation_tokens=self.generation_tokens + sign * other.generation_tokens,
+            prompt_tokens=self.prompt_tokens + sign * other.prompt_tokens,
             accepted_per_pos={
-                p: self.accepted_per_pos.get(p, 0) - before.accepted_per_pos.get(p, 0)
+                p: self.accepted_per_pos.get(p, 0) + sign * other.accepted_per_pos.get(p, 0)
                 for p in sorted(positions)
             },
         )
