@@ -7,7 +7,9 @@
 - an EAGLE-3 (or served) arm that drafted nothing, or accepted about nothing, is an error, not a
   result (:func:`check_acceptance`);
 - every arm's greedy outputs are compared token by token with the baseline's at the same
-  concurrency, and the differing prompt ids recorded (:func:`compare_with_baseline`);
+  concurrency, and the differing prompt ids recorded (:func:`compare_with_baseline`; with
+  ``eval.repeats``, the first repeat's, each later one compared with the first in
+  ``eval.measure``);
 - the headline EAGLE-3 arm's acceptance per draft position is held against the drafter's own
   validation accuracy there, and one far below it is an error naming the likely train/serve
   mismatches (:func:`train_serve_consistency`, :func:`check_consistency`).
@@ -127,9 +129,9 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def compare_with_baseline(runs: list[dict[str, Any]]) -> None:
-    """Speedup and greedy-output identity of every arm against the baseline, level by level
-    (each repeat's speedup against the baseline's same repeat); the speedup of its sampled
-    level, whose replies are compared as distributions (:mod:`eval.sampled_lossless`)."""
+    """Speedup and greedy-output identity of every arm against the baseline, level by level;
+    the speedup of its sampled level, whose replies are compared as distributions
+    (:mod:`eval.sampled_lossless`)."""
     baseline = next((r for r in runs if r["method"] == "baseline"), None)
     if baseline is None:
         return
@@ -139,21 +141,26 @@ def compare_with_baseline(runs: list[dict[str, Any]]) -> None:
             continue
         for level in run["levels"]:
             base = base_levels[level["concurrency"]]
-            level["speedup"] = ratio(base["time_per_output_token_s"], level)
+            add_speedups(level, base)
             level["mismatched_prompt_ids"] = sorted(
                 pid
                 for pid, out in base["outputs"].items()
                 if not same_output(out, level["outputs"][pid])
             )
-            for cat, figs in level.get("per_category", {}).items():
-                figs["speedup"] = ratio(base["per_category"][cat]["time_per_output_token_s"], figs)
-            for mine, base_repeat in zip(
-                level.get("per_repeat", []), base.get("per_repeat", []), strict=True
-            ):
-                mine["speedup"] = ratio(base_repeat["time_per_output_token_s"], mine)
         if "sampled" in run and "sampled" in baseline:  # replies differ by design: speed only
-            sampled, base = run["sampled"], baseline["sampled"]
-            sampled["speedup"] = ratio(base["time_per_output_token_s"], sampled)
+            add_speedups(run["sampled"], baseline["sampled"])
+
+
+def add_speedups(level: dict[str, Any], base: dict[str, Any]) -> None:
+    """A level's speedup over the baseline's, each category's over its category and each
+    repeat's over the baseline's same repeat."""
+    level["speedup"] = ratio(base["time_per_output_token_s"], level)
+    for cat, figs in level.get("per_category", {}).items():
+        figs["speedup"] = ratio(base["per_category"][cat]["time_per_output_token_s"], figs)
+    for mine, base_repeat in zip(
+        level.get("per_repeat", []), base.get("per_repeat", []), strict=True
+    ):
+        mine["speedup"] = ratio(base_repeat["time_per_output_token_s"], mine)
 
 
 def train_serve_consistency(

@@ -4,8 +4,11 @@ An interval is a bootstrap over prompts (scipy's BCa, percentile where BCa is de
 ``eval.bootstrap_resamples`` resamples, seeded by ``run.seed``): a prompt is resampled with all
 its repeats, and a speedup is resampled paired with the baseline's latency on the same prompts.
 So an interval carries prompt-to-prompt variation and each request's timing noise; it cannot
-carry a drift between servers (each arm is one server), which repeats do not see either.
-Acceptance intervals need each request's own counters, so they exist at concurrency 1 only.
+carry a drift between servers (each arm is one server), which repeats do not see either. Above
+concurrency 1 the requests in flight share the server's steps, so their latencies are
+correlated and an interval over prompts is narrower than the truth: the k chosen there is
+indicative. Acceptance intervals need each request's own counters, so they exist at
+concurrency 1 only.
 
 Invariants:
 - every figure is a ratio of sums over the same prompts (time per output token, 1 + accepted /
@@ -13,7 +16,9 @@ Invariants:
 - fewer than two prompts give no interval (None), never a zero-width one;
 - a larger k is chosen over a smaller one only when its lead is beyond the noise: the 95%
   interval of its speedup over the smaller k's, paired on prompts, lies above 1
-  (:func:`choose_k`).
+  (:func:`choose_k`). The best k is picked by its point estimate before that test, so a lead
+  just past the noise is chance somewhat more often than 1 in 20; the smaller k is the safe
+  side to err on.
 """
 
 from __future__ import annotations

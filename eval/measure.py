@@ -1,8 +1,10 @@
-"""Measuring: each arm's server, the same greedy requests at each concurrency, vLLM's counters.
+"""Measuring: each arm's server, the same requests at each concurrency, vLLM's counters.
 
 An arm is one server configuration (:class:`Arm`). Each arm gets its own vLLM server on the
 profile's flags (or, with ``server.base_url``, the running deployment, attached to and never
-started) and sends every prompt at each level of ``eval.concurrency``, ``eval.repeats`` times.
+started) and sends every prompt, greedy, at each level of ``eval.concurrency``, ``eval.repeats``
+times (each later repeat's replies compared with the first's), then at deployment sampling
+(:func:`deployment_sampling`), each prompt's replies with their own seeds.
 Acceptance comes from ``/metrics`` counter deltas (:mod:`pipeline.serving.spec_decode_metrics`):
 around each pass, so a level's figures are its own requests only, and at concurrency 1 around
 each request, so each prompt and each category has its own acceptance. Each prompt's pooled
@@ -22,7 +24,7 @@ from typing import Any
 
 from eval import lossless_lm_eval
 from eval.arms import Arm
-from eval.guards import check_acceptance
+from eval.guards import check_acceptance, same_output
 from eval.prompts import EvalPrompt, by_category
 from pipeline.core.atomic_files import atomic_write_json
 from pipeline.core.config import Profile
@@ -239,6 +241,12 @@ def measure_level(
                 req["accepted_tokens"] = int(counters[req["id"]].accepted)
         passes.append(Pass(requests, wall, counters, delta))
     level = pooled_level(passes, arm, concurrency)
+    if sampling is None and len(passes) > 1:  # greedy: every repeat gives the first's replies
+        first = {req["id"]: req for req in passes[0].requests}
+        level["repeat_mismatched_prompt_ids"] = sorted(
+            {req["id"] for p in passes[1:] for req in p.requests
+             if not same_output(req, first[req["id"]])}
+        )  # fmt: skip
     if sampling is not None:
         level["sampling"] = {
             "temperature": sampling.temperature,

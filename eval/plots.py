@@ -80,7 +80,11 @@ def acceptance_length_by_k(arms: list[dict[str, Any]], path: Path) -> dict[str, 
         for k, length in zip(ks, lengths, strict=True):
             ax.annotate(f"{length:.2f}", (k, length), fontsize=7, xytext=(6, 4),
                         textcoords="offset points", ha="left")  # fmt: skip
-        sampled = [a for a in mine if (a.get("sampled") or {}).get("acceptance")]
+        sampled = [
+            a
+            for a in mine
+            if ((a.get("sampled") or {}).get("acceptance") or {}).get("mean_acceptance_length")
+        ]
         if sampled:
             values = [a["sampled"]["acceptance"]["mean_acceptance_length"] for a in sampled]
             cis = [a["sampled"].get("mean_acceptance_length_ci95") for a in sampled]
@@ -139,7 +143,7 @@ def speedup_by_concurrency(arms: list[dict[str, Any]], path: Path) -> dict[str, 
     every = list(dict.fromkeys(a["series"] for a in arms))
     k_max = max(a["k"] for a in arms)
     for arm in arms:
-        levels = arm["levels"]
+        levels = sorted(arm["levels"], key=lambda lv: lv["concurrency"])
         values = [lv.get("speedup") for lv in levels]
         ax.errorbar(
             [lv["concurrency"] for lv in levels],

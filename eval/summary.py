@@ -106,7 +106,7 @@ def k_by_concurrency(mine: list[dict[str, Any]], bootstrap: Bootstrap) -> list[d
     """At each measured concurrency, the k :func:`choose_k` takes for this drafter, its speedup
     and interval, and whether it pays: its interval lies above 1 (its point, without one)."""
     rows = []
-    for concurrency in [lv["concurrency"] for lv in mine[0]["levels"]]:
+    for concurrency in sorted(lv["concurrency"] for lv in mine[0]["levels"]):
         options = [
             (r["k"], next(lv for lv in r["levels"] if lv["concurrency"] == concurrency))
             for r in mine
@@ -143,8 +143,12 @@ def k_advice(rows: list[dict[str, Any]]) -> str:
         )
     parts = []
     for use, levels in groups:
-        if use is not None:
+        if use is not None and not parts:
             parts.append(f"k={use} up to concurrency {levels[-1]}")
+        elif use is not None and len(levels) == 1:
+            parts.append(f"k={use} at concurrency {levels[0]}")
+        elif use is not None:
+            parts.append(f"k={use} from concurrency {levels[0]} up to {levels[-1]}")
         else:
             at = ", ".join(map(str, levels))
             parts.append(

@@ -138,6 +138,18 @@ def test_advice_when_speculation_never_pays():
     assert k_advice(rows).startswith("no k was measured faster than no speculation")
     rows = [{**r, "pays": True} for r in rows]
     assert k_advice(rows) == "k=1 up to concurrency 4. Measured at concurrency 1, 4."
+    rows = [
+        {"concurrency": 1, "k": 3, "pays": True},
+        {"concurrency": 4, "k": 1, "pays": True},
+        {"concurrency": 16, "k": 1, "pays": False},
+        {"concurrency": 32, "k": 1, "pays": True},
+        {"concurrency": 64, "k": 1, "pays": True},
+    ]
+    assert k_advice(rows) == (
+        "k=3 up to concurrency 1; k=1 at concurrency 4; no speculation at concurrency 16, where "
+        "no k was faster beyond the noise; k=1 from concurrency 32 up to 64. Measured at "
+        "concurrency 1, 4, 16, 32, 64."
+    )
 
 
 def test_counter_deltas_add_up():

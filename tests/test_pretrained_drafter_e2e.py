@@ -184,6 +184,7 @@ def test_reference_first_then_a_finetune_that_starts_where_it_was(tiny_run, publ
     assert len(results["summary"]["speedup_per_repeat"]) == 2
     repeated = batch_size_one(results, "published")
     assert [r["prompts"] for r in repeated["per_repeat"]] == [24, 24]
+    assert repeated["repeat_mismatched_prompt_ids"] == []  # greedy: the same replies again
     assert sum(r["output_tokens"] for r in repeated["per_repeat"]) == repeated["output_tokens"]
     samples = json.loads((runs / "tiny" / "eval" / "samples.json").read_text())["published-k3-c1"]
     outputs = json.loads((runs / "tiny" / "eval" / "outputs.json").read_text())["published-k3-c1"]

@@ -340,8 +340,9 @@ class EvalConfig(StrictModel):
     # 95% intervals: bootstrap resamples over prompts (each prompt's repeats together, paired
     # with the baseline's on the same prompts).
     bootstrap_resamples: int = Field(default=2000, ge=200)
-    # A category with fewer prompts than this is marked as too few to say anything about.
-    min_category_prompts: PositiveInt = 10
+    # A category with fewer prompts than this is marked as too few to say anything about
+    # (the shipped set and MT-bench have 8 and 10 a category).
+    min_category_prompts: PositiveInt = 8
     # Every arm also at deployment sampling (null: greedy only, as when generate is greedy).
     sampled: SampledEvalConfig | None = Field(default_factory=SampledEvalConfig)
     # Below this mean acceptance length an EAGLE-3 arm is an error: an untrained or miswired
