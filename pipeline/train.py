@@ -13,10 +13,13 @@ as an extraction server (the same flags as extract) for the whole run, and specu
 each row's hidden states on demand (``--on-missing generate``) and deletes them once loaded. With
 ``extract.hidden_states_format: fp8`` speculators' fp8 backend dequantises the shards.
 
-One device by default (``python -m pipeline.training.speculators_train``); ``train.num_devices > 1``
-(or ``train.launcher: torchrun``) launches the same entry point through torchrun on this machine,
-its collectives on loopback (but see :func:`launcher`: torchrun's store listens on every
-interface), with FSDP sharding when ``train.fsdp_shard``;
+One rank by default (``python -m pipeline.training.speculators_train``); ``train.num_devices > 1``
+starts that many ranks of the same entry point through :mod:`pipeline.training.ranks`, around a
+rendezvous store listening on 127.0.0.1 alone and with collectives on loopback, with FSDP
+sharding when ``train.fsdp_shard``. With ``train.nodes`` each machine runs this stage with its own
+``train.nodes.rank``; node 0's store listens on the fabric address the profile names and on
+nothing else, the manifest records it, and only node 0 writes the manifest (speculators saves
+from global rank 0 alone, so ``run.output_dir`` must be storage all nodes share);
 ``train.from_pretrained`` finetunes a published drafter in either layout
 (:mod:`pipeline.training.pretrained_drafter`): refused by name unless it fits the verifier and
 reads the layers extraction captured, converted to speculators' format when it is in the
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +60,11 @@ from pipeline.serving.spec_decode_metrics import scrape
 from pipeline.serving.vllm_api import Endpoint
 from pipeline.serving.vllm_server import vllm_server
 from pipeline.training.launch import (
+    Rendezvous,
     TrainError,
     checked_drafter,
     read_steps,
+    rendezvous,
     train_command,
     train_env,
     trainer_state,
@@ -66,6 +72,8 @@ from pipeline.training.launch import (
 from pipeline.training.pretrained_drafter import start_from
 from pipeline.training.speculators_train import PROGRESS_FILE_ENV
 from pipeline.training.text_view import name_verifier, text_view, verifier_config
+
+log = logging.getLogger(__name__)
 
 
 def data_view(prepared: Path, view: Path) -> Path:
@@ -98,14 +106,15 @@ def extraction_server(
     return stack.enter_context(server)
 
 
-def run_trainer(profile: Profile, folder: Path, cmd: list[str]) -> None:
+def run_trainer(folder: Path, cmd: list[str], store: Rendezvous | None) -> None:
     """speculators' training to the end, its steps shown as a progress bar."""
     steps = folder / "progress.json"
     with watch(
         lambda: read_steps(steps)[0], lambda: read_steps(steps)[1], desc="train", unit="step"
     ) as bar:
-        env = {**train_env(profile.train), PROGRESS_FILE_ENV: str(steps)}
-        run_logged(cmd, folder / "train.log", TrainError, "speculators training", env=env)
+        env = {**train_env(store), PROGRESS_FILE_ENV: str(steps)}
+        log_name = f"train-node{store.node_rank}.log" if store and store.nodes > 1 else "train.log"
+        run_logged(cmd, folder / log_name, TrainError, "speculators training", env=env)
         if bar.total:  # the steps after the last logged one
             bar.update(bar.total - bar.n)
 
@@ -130,7 +139,7 @@ def drafter_outputs(
         val_metrics=json.loads(metrics_path.read_text()) if metrics_path.exists() else None,
         draft_vocab_size=config["draft_vocab_size"],
         device="accelerator" if cuda_available() else "cpu",
-        # As the ranks themselves saw it: torchrun's process group, and how many ranks.
+        # As the ranks themselves saw it: whether a process group was formed, of how many ranks.
         distributed=reported.get("distributed"),
         world_size=reported.get("world_size"),
         command=cmd,
@@ -149,6 +158,7 @@ def drafter_outputs(
 
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
+    store = rendezvous(profile.train)  # a fabric interface this machine lacks fails here
     verifier = read_input(profile, "train", "verifier").outputs
     extract = read_input(profile, "train", "extract")
     # The aux layers extraction captured (it also records the last, which speculators appends).
@@ -169,10 +179,17 @@ def run(profile: Profile) -> dict[str, Any]:
             online = extraction_server(profile, verifier.model, folder, stack, as_text)
         fp8 = extract.outputs.dtype == "float8_e4m3fn"
         online_v1 = online.v1 if online else None
-        cmd = train_command(profile, as_text, prepared, save, layers, online_v1, fp8, pretrained)
-        run_trainer(profile, folder, cmd)
+        cmd = train_command(
+            profile, as_text, prepared, save, layers, online_v1, fp8, pretrained, store
+        )
+        run_trainer(folder, cmd, store)
         # Tokens the extraction server ran for training: the measured cost of online mode.
         generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
+    if store and store.node_rank > 0:  # node 0 holds the checkpoints and writes the record
+        log.info(
+            "train: node %d of %d done; node 0 writes the manifest", store.node_rank, store.nodes
+        )
+        return {"stage": "train", "node_rank": store.node_rank}
     drafter, config = checked_drafter(save, layers)
     name_verifier(drafter, verifier.model, own_config)
     portable_drafter(profile, drafter)  # published as evaluated: no path of this machine
@@ -181,6 +198,8 @@ def run(profile: Profile) -> dict[str, Any]:
     )
     if pretrained:
         outputs.from_pretrained = pretrained.record
+    if store:
+        outputs.rendezvous = store.record()
     return write_manifest(
         profile,
         "train",

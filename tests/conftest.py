@@ -1,11 +1,11 @@
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from pipeline.core.config import load_profile
 from tests.helpers import TEST_OVERRIDES
+from tests.listener_guard import run_watched
 
 REPO = Path(__file__).parent.parent
 
@@ -45,8 +45,9 @@ def docker_engine():
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    """`make hero-run` on the tiny profile, once per session; yields its profile.
+def tiny_run_watched(tmp_path_factory):
+    """`make hero-run` on the tiny profile, once per session, its every listener watched
+    (tests/listener_guard.py); yields its profile and the guard (None for a reused run).
 
     Its time is the fixture's own (``timeout_func_only``: pytest's per-test timeout counts test
     bodies only), bounded here, so no test is charged for it. ``TINY_RUN_DIR`` reuses a finished
@@ -55,17 +56,20 @@ def tiny_run(tmp_path_factory):
     reuse = os.environ.get("TINY_RUN_DIR")
     out = Path(reuse) if reuse else tmp_path_factory.mktemp("runs")
     overrides = [f"run.output_dir={out}", *TEST_OVERRIDES]
+    profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     if reuse and (out / "tiny" / "publish" / "manifest.json").exists():
-        return load_profile(REPO / "configs" / "tiny.yaml", overrides)
-    env = {**os.environ, "PROGRESS": "0"}
-    proc = subprocess.run(
+        return profile, None
+    proc, guard = run_watched(
         ["make", "hero-run", "CONFIG=configs/tiny.yaml", f"ARGS={' '.join(overrides)}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=1500,
-        check=False,
+        cwd=REPO,
+        env={**os.environ, "PROGRESS": "0"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return load_profile(REPO / "configs" / "tiny.yaml", overrides)
+    return profile, guard
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_run_watched):
+    """The tiny profile's finished `make hero-run` (see ``tiny_run_watched``): its profile."""
+    return tiny_run_watched[0]

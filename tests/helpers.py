@@ -93,15 +93,25 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+def stage_command(module: str, *args: str) -> list[str]:
+    """``python -m <module> --config configs/tiny.yaml <args>``, as make runs it."""
+    return [sys.executable, "-m", module, "--config", "configs/tiny.yaml", *args]
+
+
+def stage_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A stage's environment in the tests: the repository importable, no progress bars."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "PROGRESS": "0", **(env or {})}
+
+
 def run_stage(
     module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
-    """``python -m <module> --config configs/tiny.yaml <args>`` in the repository, as make runs
-    it (no progress bars); its exit status and output are the caller's to check."""
+    """A stage run in the repository, as make runs it (no progress bars); its exit status and
+    output are the caller's to check."""
     return subprocess.run(
-        [sys.executable, "-m", module, "--config", "configs/tiny.yaml", *args],
+        stage_command(module, *args),
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PROGRESS": "0", **(env or {})},
+        env=stage_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -12,6 +12,7 @@ pipeline container) measures the verifier-plus-drafter deployment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 
 from pipeline.serving.server_container import LABEL_RUN
 from pipeline.serving.vllm_api import free_port
+from tests.listener_guard import ListenerGuard
 
 pytestmark = [pytest.mark.containers, pytest.mark.e2e]
 REPO = Path(__file__).parent.parent
@@ -64,7 +66,28 @@ def tail(log: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def compose_run(docker_engine, tmp_path_factory):
+def container_listeners(docker_engine):
+    """Every listener of this module's runs, watched throughout: the test process's own tree
+    (make, docker compose) and each container's (the pipeline's stages, the sibling vLLM
+    servers, the serve-profile services), all in the host's network namespace."""
+    import docker
+
+    client = docker.from_env()  # the guard's thread has a client of its own
+
+    def roots() -> list[int]:
+        pids = [os.getpid()]
+        for container in client.containers.list():
+            with contextlib.suppress(docker.errors.NotFound):  # gone since it was listed
+                pids.append(client.api.inspect_container(container.id)["State"]["Pid"])
+        return pids
+
+    with ListenerGuard(roots) as guard:
+        yield guard
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def compose_run(docker_engine, container_listeners, tmp_path_factory):
     """The run killed mid-generate, then run to the end; what each step left."""
     root = tmp_path_factory.mktemp("compose")
     data, hf = root / "data", root / "hf"
@@ -192,3 +215,9 @@ def test_the_serve_profile_services_answer_and_eval_measures_them(compose_run, d
     acceptance = served["levels"][0]["acceptance"]
     assert acceptance["num_speculative_tokens"] >= 1 and acceptance["drafts"] > 0  # the drafter
     assert docker_engine.containers.list(all=True) == []
+
+
+def test_no_container_listened_beyond_loopback(compose_run, container_listeners):
+    """After the killed run, the resumed run and the serve-profile services (tests above)."""
+    container_listeners.check("the container runs")
+    assert any("vllm" in listener.process.lower() for listener in container_listeners.seen.values())

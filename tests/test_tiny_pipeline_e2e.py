@@ -45,6 +45,19 @@ def test_every_stage_wrote_a_complete_manifest(tiny_run):
         assert m["config"]["run"]["output_dir"] == str(profile.run.output_dir)
 
 
+def test_nothing_in_the_run_listened_beyond_loopback(tiny_run_watched):
+    """Every listener of the run's whole process tree (make, the stages, the vLLM servers and
+    their engine processes, the trainer), sampled every 0.25 s from start to end."""
+    _, guard = tiny_run_watched
+    if guard is None:
+        pytest.skip("a reused run (TINY_RUN_DIR) was not watched")
+    guard.check("`make hero-run` on the tiny profile")
+    ports = {
+        listener.port for listener in guard.seen.values() if "vllm" in listener.process.lower()
+    }
+    assert ports, "the guard saw the vLLM servers listen (on 127.0.0.1)"
+
+
 def test_the_built_verifier_is_not_degenerate(tiny_run):
     profile = tiny_run
     check = read_manifest(profile, "verifier")["outputs"]["greedy_check"]

@@ -1,8 +1,9 @@
-"""How training is launched: one process by default, torchrun for several devices (FSDP optional).
+"""How training is launched: one process by default, the rank launcher for several ranks (FSDP
+optional), across nodes with the store on the fabric address alone.
 
-The command tests are unit tests of the launch line; the torchrun test is a real speculators
-training run through torchrun at world size 1 on the tiny run's extracted data, as far as a
-CPU-only machine can take the multi-GPU path.
+The command tests are unit tests of the launch line; the multi-rank test is a real speculators
+training run of two CPU ranks on the tiny run's extracted data, as far as a CPU-only machine can
+take the multi-GPU path, with every listener of its process tree watched.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import pytest
 
 from pipeline.core.config import ConfigError, load_profile
 from pipeline.core.manifest import read_manifest
-from pipeline.training.launch import train_command, train_env
-from tests.helpers import TEST_OVERRIDES, run_stage, seed_run_dir
+from pipeline.training.launch import TrainError, rendezvous, train_command, train_env
+from tests.helpers import TEST_OVERRIDES, seed_run_dir, stage_command, stage_env
+from tests.listener_guard import run_watched
 
 REPO = Path(__file__).parent.parent
 
@@ -24,8 +26,9 @@ REPO = Path(__file__).parent.parent
 def command(*overrides: str) -> list[str]:
     profile = load_profile(REPO / "configs/kimi-k2.5.yaml", list(overrides))
     layers = profile.verifier.capture_layer_ids
+    store = rendezvous(profile.train)
     return train_command(
-        profile, "moonshotai/Kimi-K2.5", Path("/data/p"), Path("/data/ckpt"), layers
+        profile, "moonshotai/Kimi-K2.5", Path("/data/p"), Path("/data/ckpt"), layers, store=store
     )
 
 
@@ -34,50 +37,103 @@ def option(cmd: list[str], flag: str) -> str:
 
 
 @pytest.mark.unit
-def test_one_device_runs_the_trainer_directly():
+def test_one_device_runs_the_trainer_directly_and_opens_no_store():
     cmd = command()
     assert cmd[:3] == [sys.executable, "-m", "pipeline.training.speculators_train"]
     assert "--fsdp-shard" not in cmd
-    assert "GLOO_SOCKET_IFNAME" not in train_env(load_profile("configs/kimi-k2.5.yaml").train)
+    train = load_profile("configs/kimi-k2.5.yaml").train
+    assert rendezvous(train) is None
+    assert "GLOO_SOCKET_IFNAME" not in train_env(None)
 
 
 @pytest.mark.unit
-def test_eight_devices_launch_through_torchrun_on_loopback_with_fsdp():
+def test_eight_devices_launch_ranks_around_a_loopback_store_with_fsdp():
     cmd = command("train.num_devices=8", "train.fsdp_shard=true")
     entry = cmd.index("pipeline.training.speculators_train")
     launch, trainer = cmd[:entry], cmd[entry:]
-    assert launch[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert launch[:3] == [sys.executable, "-m", "pipeline.training.ranks"]
     assert option(launch, "--nproc-per-node") == "8" and option(launch, "--nnodes") == "1"
-    assert option(launch, "--rdzv-endpoint").startswith("127.0.0.1:")
-    assert option(launch, "--local-addr") == "127.0.0.1"
-    assert "--standalone" not in launch  # its rendezvous store listens on every interface
+    assert option(launch, "--store").startswith("127.0.0.1:")
+    assert "torch.distributed.run" not in cmd  # its store listens on every interface
     assert "--fsdp-shard" in trainer and "--trust-remote-code" in trainer
     profile = load_profile("configs/kimi-k2.5.yaml", ["train.num_devices=8"])
-    env = train_env(profile.train)
+    env = train_env(rendezvous(profile.train))
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
 
 
+NODES = ["train.num_devices=8", "train.nodes.count=2", "train.nodes.store_address=10.1.0.1",
+         "train.nodes.interface=lo"]  # fmt: skip
+
+
 @pytest.mark.unit
-def test_fsdp_without_torchrun_is_refused_with_the_fix():
-    with pytest.raises(ConfigError, match=r"train\.num_devices > 1 \(or train\.launcher=torchrun"):
+def test_across_nodes_the_store_listens_on_the_fabric_address_the_profile_names():
+    cmd = command(*NODES, "train.nodes.rank=1", "train.nodes.store_port=29511")
+    assert option(cmd, "--store") == "10.1.0.1:29511"
+    assert option(cmd, "--nnodes") == "2" and option(cmd, "--node-rank") == "1"
+    profile = load_profile("configs/kimi-k2.5.yaml", [*NODES, "train.nodes.rank=0"])
+    store = rendezvous(profile.train)
+    assert store.record() == {
+        "store": "10.1.0.1:29500",
+        "nodes": 2,
+        "node_rank": 0,
+        "interface": "lo",
+    }
+    assert profile.train.world_size == 16
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.nodes.store_address=0.0.0.0", "would listen on every interface"),
+        ("train.nodes.store_address=node0", "is not an IP address"),
+        ("train.nodes.rank=2", "rank 2 is not below count 2"),
+    ],
+)
+def test_a_store_address_of_every_interface_or_a_wrong_node_is_refused(override, message):
+    overrides = [*NODES, "train.nodes.rank=0", override]
+    with pytest.raises(ConfigError, match=message):
+        load_profile("configs/kimi-k2.5.yaml", overrides)
+
+
+@pytest.mark.unit
+def test_a_fabric_interface_this_machine_lacks_is_named():
+    overrides = [*NODES, "train.nodes.rank=0", "train.nodes.interface=ib-missing"]
+    profile = load_profile("configs/kimi-k2.5.yaml", overrides)
+    with pytest.raises(
+        TrainError, match=r"'ib-missing' is not a network interface .*\(it has .*lo"
+    ):
+        rendezvous(profile.train)
+
+
+@pytest.mark.unit
+def test_fsdp_with_one_rank_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"set train\.num_devices > 1"):
         load_profile("configs/kimi-k2.5.yaml", ["train.fsdp_shard=true"])
 
 
 @pytest.mark.e2e
-def test_training_through_torchrun_at_world_size_1(tiny_run, tmp_path):
+def test_training_two_cpu_ranks_listens_on_loopback_alone(tiny_run, tmp_path):
     overrides = [
         f"run.output_dir={tmp_path}",
         *TEST_OVERRIDES,
-        "train.launcher=torchrun",
+        "train.num_devices=2",
         "train.epochs=1",
     ]
     profile = load_profile(REPO / "configs/tiny.yaml", overrides)
     seed_run_dir(tiny_run, profile, ("verifier", "generate", "extract"))
-    proc = run_stage("pipeline.train", *overrides)
+    proc, guard = run_watched(
+        stage_command("pipeline.train", *overrides), timeout=600, cwd=REPO,
+        env=stage_env({"TMPDIR": str(tmp_path)}),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    guard.check("training with two ranks")
     out = read_manifest(profile, "train")["outputs"]
-    assert out["command"][1:3] == ["-m", "torch.distributed.run"]
-    assert out["distributed"] is True and out["world_size"] == 1  # seen by the rank itself
+    assert out["command"][1:3] == ["-m", "pipeline.training.ranks"]
+    assert out["distributed"] is True and out["world_size"] == 2  # seen by the ranks themselves
+    store = out["rendezvous"]["store"]
+    assert store.startswith("127.0.0.1:") and out["rendezvous"]["interface"] == "lo"
+    assert int(store.rsplit(":", 1)[1]) in {listener.port for listener in guard.seen.values()}
     config = json.loads((Path(out["drafter"]) / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == profile.verifier.capture_layer_ids
     assert out["global_steps"] > 0

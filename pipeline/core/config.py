@@ -258,6 +258,40 @@ class ReferenceDrafter(PretrainedDrafter):
         return self
 
 
+class TrainNodes(StrictModel):
+    """Training across several machines, each running the train stage with its own ``rank``.
+
+    Node 0 hosts the ranks' rendezvous store on ``store_address:store_port``, an address of node
+    0 on the private fabric: the store listens there and nowhere else, and every node's ranks
+    must reach that port. The store has no authentication, so the fabric must be private. The
+    ranks' own collectives (gloo, NCCL) use ``interface`` on every node.
+    """
+
+    count: int = Field(ge=2)
+    rank: int = Field(ge=0)  # this machine's: `make train ARGS="train.nodes.rank=1"` on node 1
+    store_address: str
+    store_port: int = Field(default=29500, gt=0, lt=65536)
+    interface: str = Field(min_length=1)  # the fabric's network interface, e.g. ib0 or eth1
+
+    @model_validator(mode="after")
+    def _one_fabric_address(self) -> TrainNodes:
+        try:
+            address = ipaddress.ip_address(self.store_address)
+        except ValueError:
+            raise ValueError(
+                f"train.nodes.store_address {self.store_address!r} is not an IP address: name "
+                "node 0's address on the private fabric"
+            ) from None
+        if address.is_unspecified:
+            raise ValueError(
+                f"train.nodes.store_address {self.store_address} would listen on every "
+                "interface: name node 0's address on the private fabric"
+            )
+        if self.rank >= self.count:
+            raise ValueError(f"train.nodes.rank {self.rank} is not below count {self.count}")
+        return self
+
+
 class TrainConfig(StrictModel):
     epochs: PositiveInt = 5
     learning_rate: float = Field(default=1e-4, gt=0)
@@ -265,12 +299,14 @@ class TrainConfig(StrictModel):
     total_seq_len: PositiveInt = 8192
     draft_vocab_size: PositiveInt = 32000
     num_layers: PositiveInt = 1
-    # GPUs on this machine to train on; more than one launches through torchrun.
+    # Ranks on this machine, a GPU each (CPU processes without one). One rank on one node runs
+    # the trainer directly; more are started by pipeline.training.ranks around a store that
+    # listens on loopback (or, with `nodes`, on the fabric address alone).
     num_devices: PositiveInt = 1
-    # "auto": torchrun only when num_devices > 1; "torchrun": always (world size 1 included).
-    launcher: Literal["auto", "torchrun"] = "auto"
-    # Shard parameters with FSDP across the devices (speculators' --fsdp-shard); else each rank
-    # holds the whole drafter (data parallel). Needs torchrun.
+    # Several machines (None: this one alone).
+    nodes: TrainNodes | None = None
+    # Shard parameters with FSDP across the ranks (speculators' --fsdp-shard); else each rank
+    # holds the whole drafter (data parallel). Needs more than one rank.
     fsdp_shard: bool = False
     save_best: bool = True
     log_every: PositiveInt = 10
@@ -289,15 +325,18 @@ class TrainConfig(StrictModel):
     extra_args: list[str] = Field(default_factory=list)
 
     @property
-    def torchrun(self) -> bool:
-        return self.launcher == "torchrun" or self.num_devices > 1
+    def world_size(self) -> int:
+        return self.num_devices * (self.nodes.count if self.nodes else 1)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
 
     @model_validator(mode="after")
-    def _fsdp_needs_torchrun(self) -> TrainConfig:
-        if self.fsdp_shard and not self.torchrun:
+    def _fsdp_needs_ranks(self) -> TrainConfig:
+        if self.fsdp_shard and not self.distributed:
             raise ValueError(
-                "train.fsdp_shard shards the drafter across torchrun ranks: set "
-                "train.num_devices > 1 (or train.launcher=torchrun)"
+                "train.fsdp_shard shards the drafter across ranks: set train.num_devices > 1"
             )
         return self
 

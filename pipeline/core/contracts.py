@@ -96,6 +96,8 @@ class TrainOutputs(Outputs):
     verifier: dict[str, Any]
     # The published drafter finetuned from (source, layout, conversion); absent when fresh.
     from_pretrained: dict[str, Any] | None = None
+    # Several ranks: where their store listened (its only address), nodes, this node, interface.
+    rendezvous: dict[str, Any] | None = None
 
 
 class EvalOutputs(Outputs):

@@ -36,7 +36,13 @@ from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import hardware, now, stage_dir, stage_manifest
 from pipeline.serving.extraction import reserve_bytes
 from pipeline.serving.logged_process import run_logged
-from pipeline.training.launch import checked_drafter, read_steps, train_command, train_env
+from pipeline.training.launch import (
+    checked_drafter,
+    read_steps,
+    rendezvous,
+    train_command,
+    train_env,
+)
 from pipeline.training.speculators_train import PROGRESS_FILE_ENV
 from pipeline.training.text_view import text_model, text_view
 
@@ -141,9 +147,10 @@ def train_steps(profile: Profile, extract: ExtractOutputs, rows: int, out: Path)
     verifier = stage_manifest(profile, "verifier").outputs
     as_text = text_view(verifier.model, verifier.revision, out / "verifier-text")
     layers = extract.captured_layer_ids[:-1]
-    cmd = train_command(profile, as_text, view, save, layers)
+    store = rendezvous(profile.train)
+    cmd = train_command(profile, as_text, view, save, layers, store=store)
     steps = out / "progress.json"
-    env = {**train_env(profile.train), PROGRESS_FILE_ENV: str(steps)}
+    env = {**train_env(store), PROGRESS_FILE_ENV: str(steps)}
     run_logged(cmd, out / "train.log", GpuSmokeError, "speculators training", env=env)
     drafter, _ = checked_drafter(save, layers)
     done, total = read_steps(steps)

@@ -1,10 +1,13 @@
 """Launching speculators' EAGLE-3 trainer, and reading what it wrote.
 
-The trainer runs as ``python -m pipeline.training.speculators_train`` on one device, or through
-torchrun on this machine (collectives on loopback; but see :func:`launcher`: torchrun's store
-listens on every interface). It reports its steps to a small JSON file (:func:`read_steps`) and
-writes one checkpoint per epoch; :func:`checked_drafter` picks the one to ship and refuses it
-unless it reads the layers extraction captured.
+The trainer runs as ``python -m pipeline.training.speculators_train`` when it has one rank.
+With several (``train.num_devices > 1``, or ``train.nodes``) :mod:`pipeline.training.ranks`
+starts them around a rendezvous store it hosts itself, listening on 127.0.0.1 on one node and
+on the profile's fabric address alone across nodes (torchrun's store would listen on every
+interface); the ranks' collectives use loopback, or the fabric's interface. The trainer reports
+its steps to a small JSON file (:func:`read_steps`) and writes one checkpoint per epoch;
+:func:`checked_drafter` picks the one to ship and refuses it unless it reads the layers
+extraction captured.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from pipeline.core.config import Profile, TrainConfig
 from pipeline.core.drafter import aux_layer_ids, drafter_config
 from pipeline.core.errors import PipelineError
 from pipeline.serving.vllm_api import LOOPBACK, free_port
+from pipeline.training import ranks
 from pipeline.training.pretrained_drafter import PretrainedStart
 
 ENTRY = "pipeline.training.speculators_train"
@@ -28,28 +35,65 @@ class TrainError(PipelineError):
     """Training failed; the message points at the trainer log."""
 
 
-def launcher(train: TrainConfig) -> list[str]:
-    """The trainer's entry point, directly or through torchrun on this one machine."""
-    if not train.torchrun:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks' store listens (the only address it listens on) and which node this is."""
+
+    host: str
+    port: int
+    nodes: int
+    node_rank: int
+    interface: str  # the network interface of the ranks' collectives
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "store": self.endpoint,
+            "nodes": self.nodes,
+            "node_rank": self.node_rank,
+            "interface": self.interface,
+        }
+
+
+def rendezvous(train: TrainConfig) -> Rendezvous | None:
+    """The store of a run with several ranks; None for one rank, which opens no store."""
+    if not train.distributed:
+        return None
+    nodes = train.nodes
+    if nodes is None:
+        return Rendezvous(LOOPBACK, free_port(), 1, 0, "lo")
+    interfaces = psutil.net_if_addrs()
+    if nodes.interface not in interfaces:
+        raise TrainError(
+            f"train.nodes.interface {nodes.interface!r} is not a network interface of this "
+            f"machine (it has {', '.join(sorted(interfaces))}): name the private fabric's"
+        )
+    return Rendezvous(
+        nodes.store_address, nodes.store_port, nodes.count, nodes.rank, nodes.interface
+    )
+
+
+def launcher(train: TrainConfig, store: Rendezvous | None) -> list[str]:
+    """The trainer's entry point: directly for one rank, else through the rank launcher."""
+    if store is None:
         return [sys.executable, "-m", ENTRY]
-    # One node. The endpoint names loopback, yet with torch 2.13 torchrun's c10d store (and its
-    # agent) listens on every interface whatever the endpoint or MASTER_ADDR says: an
-    # unauthenticated store open to the network while training runs (issue 24 tracks the fix,
-    # e.g. a FileStore or a store handed a socket bound to 127.0.0.1).
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(train.num_devices),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}",
-        "--local-addr", LOOPBACK,
+        sys.executable, "-m", ranks.MODULE,
+        "--nproc-per-node", str(train.num_devices),
+        "--nnodes", str(store.nodes), "--node-rank", str(store.node_rank),
+        "--store", store.endpoint,
         "-m", ENTRY,
     ]  # fmt: skip
 
 
-def train_env(train: TrainConfig) -> dict[str, str]:
-    """The trainer's environment: collective traffic between ranks stays on loopback."""
+def train_env(store: Rendezvous | None) -> dict[str, str]:
+    """The trainer's environment: collectives between ranks on the store's interface."""
     env = dict(os.environ)
-    if train.torchrun:
-        env |= {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "MASTER_ADDR": LOOPBACK}
+    if store is not None:
+        env |= {"GLOO_SOCKET_IFNAME": store.interface, "NCCL_SOCKET_IFNAME": store.interface}
     return env
 
 
@@ -62,11 +106,13 @@ def train_command(
     online_v1: str | None = None,
     fp8: bool = False,
     pretrained: PretrainedStart | None = None,
+    store: Rendezvous | None = None,
 ) -> list[str]:
     """speculators' training command; ``capture_layer_ids``: the aux layers extraction
     captured (without the last, which speculators appends), ``online_v1``: the extraction
     server for online mode, ``fp8``: the stored shards are fp8 (extract's manifest says which),
-    ``pretrained``: the drafter to finetune, whose own shape and draft vocabulary are kept."""
+    ``pretrained``: the drafter to finetune, whose own shape and draft vocabulary are kept,
+    ``store``: the rendezvous of several ranks (:func:`rendezvous`)."""
     t, v = profile.train, profile.verifier
     if online_v1:
         hidden_states = ["--on-missing", "generate", "--vllm-endpoint", online_v1,
@@ -78,7 +124,7 @@ def train_command(
         hidden_states += ["--hidden-states-backend", "fp8"]
     hidden_dtype = "float32" if v.dtype == "float32" else "bfloat16"
     cmd = [
-        *launcher(t),
+        *launcher(t, store),
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", verifier,
         "--data-path", str(prepared),

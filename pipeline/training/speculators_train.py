@@ -1,7 +1,8 @@
 """Entry point for speculators' EAGLE-3 trainer, on GPUs as it is and on CPU-only machines.
 
 Run as: python -m pipeline.training.speculators_train <speculators train flags>
-   or:  torchrun --nproc_per_node N -m pipeline.training.speculators_train <flags>
+   or:  python -m pipeline.training.ranks --nproc-per-node N --store 127.0.0.1:PORT \
+            -m pipeline.training.speculators_train <flags>
 
 speculators 0.9.0's trainer assumes an accelerator. When ``torch.accelerator`` reports none,
 :func:`adapt_to_cpu` applies the smallest run-time patches that point it at the CPU; with an
@@ -83,7 +84,8 @@ def adapt_to_cpu() -> bool:
     # Resume loads checkpoints onto get_current_device(), "cuda:0" without an accelerator.
     checkpointer.get_current_device = lambda: "cpu"
 
-    # torchrun: the stock set-up selects the accelerator's backend and device index; use gloo.
+    # Several ranks: the stock set-up selects the accelerator's backend and device index; use
+    # gloo. Its env:// rendezvous reaches the store pipeline.training.ranks hosts.
     def maybe_setup_distributed(sp_size: int = 1) -> None:
         sdist._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         sdist._is_distributed = "LOCAL_RANK" in os.environ
