@@ -50,10 +50,11 @@ venv: $(STAMP)
 
 # CPU torch first (a bare `torch` would pull a multi-GB CUDA build), then the exact lock with
 # --no-deps so that nothing outside it (e.g. CUDA torchvision) sneaks in.
-$(STAMP): requirements/cpu.lock pyproject.toml
+$(STAMP): requirements/cpu.lock requirements/verifiers.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/cpu.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r requirements/verifiers.txt
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# The project itself, editable and without dependencies: registers its vLLM plugin.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .

@@ -74,6 +74,14 @@ def verifier_view(profile: Profile, recorded: dict[str, Any]) -> dict[str, Any]:
     for a local verifier, a path a reader can recreate and a plain note that it is local."""
     model = profile.verifier.model
     view = {**recorded, "hub": is_hub_id(model), "built": profile.verifier.build is not None}
+    if package := profile.verifier.package:
+        return view | {
+            "name": f"{package.model_name} (dequantised from {package.gguf.rsplit('/', 1)[-1]} "
+            f"in {package.distribution} {package.version})",
+            "title": package.model_name,
+            "serve": relative_path(profile, verifier_path(profile)),  # verifier/model, in the run
+            "model": relative_path(profile, verifier_path(profile)),
+        }
     if view["hub"]:
         return view | {"name": model, "title": model, "serve": model, "model": model}
     if view["built"]:

@@ -46,6 +46,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from pipeline.core.manifest import (
 )
 from pipeline.core.progress import progress
 from pipeline.core.prompts import (
+    SELF_WRITTEN_SOURCE,
     PromptRow,
     PromptSet,
     data_revision,
@@ -76,6 +78,13 @@ from pipeline.core.server_errors import (
     server_error,
 )
 from pipeline.serving.chat_client import REQUEST_ERRORS, ChatClient
+from pipeline.serving.self_written_prompts import (
+    UserTurnFrame,
+    ensure_prompts,
+    finished,
+    settings_record,
+    user_turn_frame,
+)
 from pipeline.serving.vllm_api import Endpoint, attach
 from pipeline.serving.vllm_server import vllm_server
 
@@ -85,6 +94,7 @@ RESPONSES = "responses.jsonl"
 # sample_seed): kept, and moved back when a later selection wants them.
 UNSELECTED = "responses.unselected.jsonl"
 SKIPPED = "skipped.jsonl"
+SELF_WRITTEN = "self-written-prompts.jsonl"  # data.self_written; its record beside it (.json)
 SKIP_DETAIL = {
     "prompt_too_long": "the server rejected the conversation as over server.max_model_len",
     "empty_response": "the verifier answered nothing",
@@ -374,15 +384,28 @@ def finished_replicas(profile: Profile) -> list[dict[str, Any]]:
         return []
 
 
-def run(profile: Profile) -> dict[str, Any]:
-    started = now()
-    verifier = read_input(profile, "generate", "verifier").outputs
-    folder = stage_dir(profile, "generate")
-    folder.mkdir(parents=True, exist_ok=True)
-    prompts = load_input(profile)
-    out = folder / RESPONSES
-    wanted = {r.id for r in prompts.rows}
-    done = select_records(folder, wanted)
+def with_self_written(prompts: PromptSet, path: Path) -> PromptSet:
+    """The prompt set and all the prompts the verifier wrote (after any sampling of the set)."""
+    own = load_prompt_set(str(path), None, "train", None)
+    by_source = prompts.sampling.by_source | {
+        SELF_WRITTEN_SOURCE: {"available": len(own.rows), "sampled": len(own.rows)}
+    }
+    sampling = replace(prompts.sampling, by_source=by_source)
+    return PromptSet([*prompts.rows, *own.rows], [*prompts.rejected, *own.rejected], sampling)
+
+
+def write_self_written(
+    profile: Profile, endpoint: Endpoint, frame: UserTurnFrame, path: Path
+) -> dict[str, Any]:
+    spec = profile.data.self_written
+    assert spec is not None
+    with progress(total=spec.count, desc="self-written prompts", unit="prompt") as bar:
+        return ensure_prompts(profile, endpoint, frame, path, bar)
+
+
+def selection(folder: Path, prompts: PromptSet) -> list[PromptRow]:
+    """The prompts still to do; finished records of prompts not selected are set aside."""
+    done = select_records(folder, {r.id for r in prompts.rows})
     todo = [r for r in prompts.rows if r.id not in done]
     log.info(
         "generate: %d prompts, %d already finished, %d to do",
@@ -390,17 +413,49 @@ def run(profile: Profile) -> dict[str, Any]:
         len(done),
         len(todo),
     )
+    return todo
+
+
+def run(profile: Profile) -> dict[str, Any]:
+    started = now()
+    verifier = read_input(profile, "generate", "verifier").outputs
+    folder = stage_dir(profile, "generate")
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = load_input(profile)
+    out = folder / RESPONSES
+    own_path, frame, own = folder / SELF_WRITTEN, None, None
+    if spec := profile.data.self_written:
+        trust = profile.verifier.trust_remote_code
+        frame = user_turn_frame(verifier.model, verifier.revision, trust)
+        own = finished(own_path, settings_record(spec, profile.run.seed, frame))
+        if own is not None:  # written by an earlier run of this recipe
+            prompts = with_self_written(prompts, own_path)
+    # None: the verifier writes its prompts first, on the server that then answers them.
+    todo = None if spec and own is None else selection(folder, prompts)
     replicas: list[dict[str, Any]] = []
     last_error: dict[str, str] = {}
-    if todo:
-        writer = ResponseWriter(out)
-        try:
-            with generation_endpoints(profile, verifier.model, folder / "vllm.log") as eps:
-                replicas, last_error = asyncio.run(regenerate_all(profile, eps, todo, writer))
-        finally:
-            writer.close()
-    else:  # nothing asked: the shares are the finished run's, whose manifest then stands
-        replicas = finished_replicas(profile)
+    with contextlib.ExitStack() as stack:
+        endpoints = None
+        if todo is None:
+            assert frame is not None
+            endpoints = stack.enter_context(
+                generation_endpoints(profile, verifier.model, folder / "vllm.log")
+            )
+            own = write_self_written(profile, endpoints[0], frame, own_path)
+            prompts = with_self_written(prompts, own_path)
+            todo = selection(folder, prompts)
+        if todo:
+            if endpoints is None:
+                endpoints = stack.enter_context(
+                    generation_endpoints(profile, verifier.model, folder / "vllm.log")
+                )
+            writer = ResponseWriter(out)
+            try:
+                replicas, last_error = asyncio.run(regenerate_all(profile, endpoints, todo, writer))
+            finally:
+                writer.close()
+        else:  # nothing asked: the shares are the finished run's, whose manifest then stands
+            replicas = finished_replicas(profile)
     # Counts come from the file, so they are the same whether this run or an earlier one wrote it.
     records = list(read_responses(out, repair=True))
     write_skipped(folder / SKIPPED, prompts, records)
@@ -425,6 +480,7 @@ def run(profile: Profile) -> dict[str, Any]:
             skipped=SKIPPED,
             sampling=prompts.sampling.record(),
             replicas=replicas,  # this run's share of each
+            self_written=own,
         ),
         data_revision=data_revision(d.dataset, d.revision),
     )

@@ -18,8 +18,10 @@ starts that many ranks of the same entry point through :mod:`pipeline.training.r
 rendezvous store listening on 127.0.0.1 alone and with collectives on loopback, with FSDP
 sharding when ``train.fsdp_shard``. With ``train.nodes`` each machine runs this stage with its own
 ``train.nodes.rank``; node 0's store listens on the fabric address the profile names and on
-nothing else, the manifest records it, and only node 0 writes the manifest (speculators saves
-from global rank 0 alone, so ``run.output_dir`` must be storage all nodes share);
+nothing else, and the manifest records it. Node 0 works in ``train/`` and writes the manifest;
+another node works in ``train/node<R>/`` (its own views, staging and log). speculators saves
+from global rank 0 alone and every rank reads the checkpoints on resume, so ``run.output_dir``
+must be storage all nodes share;
 ``train.from_pretrained`` finetunes a published drafter in either layout
 (:mod:`pipeline.training.pretrained_drafter`): refused by name unless it fits the verifier and
 reads the layers extraction captured, converted to speculators' format when it is in the
@@ -62,6 +64,7 @@ from pipeline.serving.vllm_server import vllm_server
 from pipeline.training.launch import (
     Rendezvous,
     TrainError,
+    check_fabric,
     checked_drafter,
     read_steps,
     rendezvous,
@@ -113,8 +116,7 @@ def run_trainer(folder: Path, cmd: list[str], store: Rendezvous | None) -> None:
         lambda: read_steps(steps)[0], lambda: read_steps(steps)[1], desc="train", unit="step"
     ) as bar:
         env = {**train_env(store), PROGRESS_FILE_ENV: str(steps)}
-        log_name = f"train-node{store.node_rank}.log" if store and store.nodes > 1 else "train.log"
-        run_logged(cmd, folder / log_name, TrainError, "speculators training", env=env)
+        run_logged(cmd, folder / "train.log", TrainError, "speculators training", env=env)
         if bar.total:  # the steps after the last logged one
             bar.update(bar.total - bar.n)
 
@@ -158,38 +160,41 @@ def drafter_outputs(
 
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
-    store = rendezvous(profile.train)  # a fabric interface this machine lacks fails here
+    check_fabric(profile.train)  # a fabric interface this machine lacks fails before anything
     verifier = read_input(profile, "train", "verifier").outputs
     extract = read_input(profile, "train", "extract")
     # The aux layers extraction captured (it also records the last, which speculators appends).
     layers = extract.outputs.captured_layer_ids[:-1]
     folder = stage_dir(profile, "train")
-    folder.mkdir(parents=True, exist_ok=True)
-    prepared = data_view(stage_dir(profile, "extract") / extract.outputs.prepared, folder / "data")
+    # Another node than 0 works in a folder of its own (views, staging, log) beside node 0's;
+    # the checkpoints are shared, written by speculators' global rank 0, on node 0.
+    node = profile.train.nodes.rank if profile.train.nodes else 0
+    work = folder / f"node{node}" if node else folder
+    work.mkdir(parents=True, exist_ok=True)
+    prepared = data_view(stage_dir(profile, "extract") / extract.outputs.prepared, work / "data")
     save = folder / "checkpoints"
     # speculators gets the verifier's text model when it is a multimodal wrapper (Kimi-K2.5)
-    as_text = text_view(verifier.model, verifier.revision, folder / "verifier-text")
+    as_text = text_view(verifier.model, verifier.revision, work / "verifier-text")
     own_config = verifier_config(verifier.model, verifier.revision)
     pretrained = None
     if profile.train.from_pretrained:  # checked and prepared before anything starts
-        pretrained = start_from(profile.train.from_pretrained, own_config, as_text, layers, folder)
+        pretrained = start_from(profile.train.from_pretrained, own_config, as_text, layers, work)
     with contextlib.ExitStack() as stack:
         online = None
         if extract.outputs.mode == "online":
-            online = extraction_server(profile, verifier.model, folder, stack, as_text)
+            online = extraction_server(profile, verifier.model, work, stack, as_text)
         fp8 = extract.outputs.dtype == "float8_e4m3fn"
         online_v1 = online.v1 if online else None
+        store = rendezvous(profile.train)  # its port picked just before the ranks start
         cmd = train_command(
             profile, as_text, prepared, save, layers, online_v1, fp8, pretrained, store
         )
-        run_trainer(folder, cmd, store)
+        run_trainer(work, cmd, store)
         # Tokens the extraction server ran for training: the measured cost of online mode.
         generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
-    if store and store.node_rank > 0:  # node 0 holds the checkpoints and writes the record
-        log.info(
-            "train: node %d of %d done; node 0 writes the manifest", store.node_rank, store.nodes
-        )
-        return {"stage": "train", "node_rank": store.node_rank}
+    if node:  # node 0 holds the checkpoints and writes the record
+        log.info("train: node %d done; node 0 writes the manifest", node)
+        return {"stage": "train", "node_rank": node}
     drafter, config = checked_drafter(save, layers)
     name_verifier(drafter, verifier.model, own_config)
     portable_drafter(profile, drafter)  # published as evaluated: no path of this machine

@@ -8,7 +8,8 @@ The stage (:mod:`release.licenses`) reads the inputs; this module only judges th
   ``release.allowed_licenses``; non-commercial terms (``-NC-``, or ``non_commercial: true``) fail
   unless ``release.allow_non_commercial``, and then make the drafter's license non-commercial;
 - the drafter's license is derived, never typed: the verifier's (a drafter trained on its hidden
-  states and outputs is conservatively a derivative), plus any non-commercial data terms.
+  states and outputs is conservatively a derivative), plus any non-commercial data terms;
+- prompts the verifier wrote itself (source ``self-written``) are licensed as the verifier.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from license_expression import AND, OR, ExpressionError, LicenseSymbol, get_spdx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.core.errors import PipelineError
+from pipeline.core.prompts import SELF_WRITTEN_SOURCE
 
 BUILT_VERIFIER = "built-tiny-verifier"  # the key of the verifier the project builds itself
 LICENSING = get_spdx_licensing()
@@ -206,10 +208,12 @@ def judge_release(
     key: str,
     allowed_licenses: list[str],
     allow_nc: bool,
+    self_written_sha256: str | None = None,
 ) -> dict[str, Any]:
     """The whole verdict as data, from the license manifest (read from ``path``), the data
-    revision generate read, the rows and tokens of each source, and the verifier's key:
-    per-source verdicts, failures, and the drafter's derived license."""
+    revision generate read, the rows and tokens of each source, and the verifier's key (and
+    the sha256 of the prompt file the verifier wrote, if any): per-source verdicts, failures,
+    and the drafter's derived license."""
     allowed = {LICENSING.parse(x).render() for x in allowed_licenses}
     failures: list[str] = []
 
@@ -235,7 +239,16 @@ def judge_release(
 
     sources = []
     non_commercial: dict[str, str] = {}
+    verifier_entry = manifest.verifiers.get(key)
     for source, counts in source_counts.items():
+        if source == SELF_WRITTEN_SOURCE:  # the verifier wrote these prompts: its terms hold
+            report, reasons, nc = self_written_report(verifier_entry, key, allowed, allow_nc)
+            report["revision"] = f"sha256:{self_written_sha256}" if self_written_sha256 else "-"
+            failures += [f"source {source!r} ({counts['rows']} rows): {r}" for r in reasons]
+            if nc:
+                non_commercial[source] = nc
+            sources.append({**report, **counts})
+            continue
         entry = manifest.sources.get(source)
         if entry is None:
             failures.append(
@@ -252,7 +265,6 @@ def judge_release(
             {"source": source, "dataset": entry.dataset, **counts, **_entry_report(entry, verdict)}
         )
 
-    verifier_entry = manifest.verifiers.get(key)
     drafter = None
     verifier_report: dict[str, Any] = {"verifier": key}
     if verifier_entry is None:
@@ -287,6 +299,25 @@ def judge_release(
         "verifier": verifier_report,
         "drafter_license": drafter,
     }
+
+
+def self_written_report(
+    verifier: VerifierLicense | None, key: str, allowed: set[str], allow_nc: bool
+) -> tuple[dict[str, Any], list[str], str | None]:
+    """Prompts the verifier wrote itself, licensed as the verifier: (report, reasons it fails,
+    its SPDX when non-commercial)."""
+    report = {
+        "source": SELF_WRITTEN_SOURCE,
+        "dataset": f"written by {key}",
+        "written_by": key,
+        "provenance": "prompts the verifier wrote itself from its chat template's user-turn "
+        "prefix (the Magpie method); no third party's text",
+    }
+    if verifier is None:
+        return report | {"ok": False}, [f"written by verifier {key}, which is not listed"], None
+    verdict = judge(verifier, allowed, allow_nc)
+    nc = str(verdict.spdx) if verdict.ok and verdict.non_commercial else None
+    return _entry_report(verifier, verdict) | report, verdict.reasons, nc
 
 
 def _entry_report(entry: _Entry, verdict: Verdict) -> dict[str, Any]:

@@ -51,7 +51,11 @@ def count_sources(responses: Path) -> dict[str, dict[str, int]]:
 
 
 def verifier_key(profile: Profile) -> str:
-    return BUILT_VERIFIER if profile.verifier.build is not None else str(profile.verifier.model)
+    if profile.verifier.build is not None:
+        return BUILT_VERIFIER
+    if profile.verifier.package is not None:  # the weights' own name, whatever ships them
+        return profile.verifier.package.model_name
+    return str(profile.verifier.model)
 
 
 def check_licenses(profile: Profile) -> dict[str, Any]:
@@ -67,7 +71,10 @@ def check_licenses(profile: Profile) -> dict[str, Any]:
         verifier_key(profile),
         profile.release.allowed_licenses,
         profile.release.allow_non_commercial,
+        (generate.outputs.self_written or {}).get("sha256"),
     )
+    if package := profile.verifier.package:  # the verifier stage checked these hashes
+        report["verifier"]["package"] = package.model_dump()
     # How generate chose its prompts (data.max_samples, data.sample_seed), per source.
     return report | {"sampling": generate.outputs.sampling}
 

@@ -63,7 +63,7 @@ from pipeline.core.manifest import (
     stage_dir,
     write_manifest,
 )
-from pipeline.core.model_names import drafter_repo_id
+from pipeline.core.model_names import drafter_repo_id, verifier_path
 from pipeline.core.portable import REPO_ROOT, portable, portable_text
 
 RELEASE = "release"
@@ -135,6 +135,8 @@ def license_text(profile: Profile, licenses: dict[str, Any]) -> bytes:
     model = profile.verifier.model
     if profile.verifier.build is not None:
         path = REPO_ROOT / name
+    elif profile.verifier.package is not None:  # copied beside the model it made
+        path = Path(verifier_path(profile)) / name
     elif Path(model).is_dir():
         path = Path(model) / name
     else:

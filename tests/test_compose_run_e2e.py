@@ -12,7 +12,6 @@ pipeline container) measures the verifier-plus-drafter deployment.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from pipeline.serving.server_container import LABEL_RUN
@@ -65,25 +65,25 @@ def tail(log: Path) -> str:
     return log.read_text(errors="replace")[-4000:]
 
 
+def engine_processes(engine_dir: str) -> list[int]:
+    """The private engine's processes (dockerd, containerd, the shims, whose command lines name
+    its folder): roots whose trees hold every container's processes; read from /proc, not asked
+    of the engine."""
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(engine_dir in part for part in proc.info["cmdline"] or ()):
+            pids.append(proc.pid)
+    return pids
+
+
 @pytest.fixture(scope="module")
 def container_listeners(docker_engine):
     """Every listener of this module's runs, watched throughout: the test process's own tree
     (make, docker compose) and each container's (the pipeline's stages, the sibling vLLM
     servers, the serve-profile services), all in the host's network namespace."""
-    import docker
-
-    client = docker.from_env()  # the guard's thread has a client of its own
-
-    def roots() -> list[int]:
-        pids = [os.getpid()]
-        for container in client.containers.list():
-            with contextlib.suppress(docker.errors.NotFound):  # gone since it was listed
-                pids.append(client.api.inspect_container(container.id)["State"]["Pid"])
-        return pids
-
-    with ListenerGuard(roots) as guard:
+    engine_dir = os.environ["EAGLE3_ENGINE_DIR"]
+    with ListenerGuard(lambda: [os.getpid(), *engine_processes(engine_dir)]) as guard:
         yield guard
-    client.close()
 
 
 @pytest.fixture(scope="module")

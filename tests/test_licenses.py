@@ -231,3 +231,33 @@ def test_an_unpinned_hub_dataset_fails(tmp_path):
     generated(profile, PERFECTBLEND_SOURCES[:1], revision={"dataset": profile.data.dataset})
     report = check_licenses(profile)
     assert any("not pinned" in f for f in report["failures"])
+
+
+def test_prompts_the_verifier_wrote_are_licensed_as_the_verifier(tmp_path):
+    profile = tiny(tmp_path)
+    generated(profile, ["tiny-blend/math", "self-written", "self-written"])
+    report = check_licenses(profile)
+    assert report["passed"], report["failures"]
+    (own,) = [s for s in report["sources"] if s["source"] == "self-written"]
+    assert own["rows"] == 2 and own["written_by"] == "built-tiny-verifier"
+    assert own["spdx"] == "Apache-2.0" and "Magpie" in own["provenance"]
+
+    smol = load_profile(REPO / "configs/smollm2-135m.yaml", [f"run.output_dir={tmp_path}/s"])
+    generated(smol, ["self-written"], revision=data_revision("data/prompts/tiny-blend.jsonl", None))
+    report = check_licenses(smol)
+    assert report["passed"], report["failures"]
+    assert report["sources"][0]["written_by"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert report["verifier"]["package"]["gguf_sha256"] == smol.verifier.package.gguf_sha256
+
+
+def test_prompts_written_by_an_unlisted_verifier_fail_by_name(tmp_path):
+    manifest = {**SHIPPED, "verifiers": {}}
+    path = tmp_path / "licenses.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    profile = tiny(tmp_path, f"release.licenses_file={path}")
+    generated(profile, ["self-written"])
+    report = check_licenses(profile)
+    assert any(
+        "'self-written'" in f and "built-tiny-verifier, which is not listed" in f
+        for f in report["failures"]
+    ), report["failures"]

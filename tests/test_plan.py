@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.core.config import load_profile
 from pipeline.extract import bytes_per_token
-from pipeline.tools.plan import TB, build_plan
+from pipeline.tools.plan import TB, build_plan, planned_samples
 from tests.helpers import stand_in_manifest
 
 pytestmark = pytest.mark.unit
@@ -152,3 +152,9 @@ def test_a_generate_rerun_that_found_all_done_measures_no_rate(tmp_path):
     assert plan["completion_tokens_per_sample"].value == 100
     rate = profile.plan.machines[0].generate_tokens_per_s  # the assumed one
     assert plan["machines"][0]["hours"]["inference"] * 3600 == pytest.approx(32_000 / rate)
+
+
+def test_prompts_the_verifier_writes_are_planned_like_the_set_s():
+    base = load_profile("configs/smollm2-135m.yaml")
+    more = load_profile("configs/smollm2-135m.yaml", ["data.self_written.count=5000"])
+    assert planned_samples(more) == planned_samples(base) + 5000 == 320 + 5000

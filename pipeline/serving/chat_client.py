@@ -47,8 +47,9 @@ class ChatClient:
         max_retries: int,
         min_backoff_s: float = 1,
         max_backoff_s: float = 60,
+        path: str = "chat/completions",
     ):
-        self.url = f"{v1_url}/chat/completions"
+        self.url = f"{v1_url}/{path}"
         self._concurrency = concurrency
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=30)
         self._max_retries = max_retries
@@ -74,7 +75,8 @@ class ChatClient:
             return await resp.json()
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /chat/completions, retrying transient failures up to ``max_retries`` times."""
+        """POST the request (to /chat/completions unless ``path`` said another, e.g. the raw
+        /completions), retrying transient failures up to ``max_retries`` times."""
         # The first attempt runs outside tenacity: its per-call set-up costs about as much as the
         # rest of the client's work on a request, and nearly every request succeeds first time.
         try:

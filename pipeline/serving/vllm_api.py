@@ -128,7 +128,7 @@ def vllm_env(profile: Profile) -> dict[str, str]:
         env[PLUGIN_ENV] = "1"
     if profile.server.cpu_kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.server.cpu_kv_cache_gib)
-    if Path(profile.verifier.model or "").is_dir() or profile.verifier.build is not None:
+    if Path(profile.verifier.model or "").is_dir() or profile.verifier.model is None:
         env["HF_HUB_OFFLINE"] = "1"
     return env
 

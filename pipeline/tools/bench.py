@@ -3,8 +3,10 @@
 Run as: python -m pipeline.tools.bench --config configs/tiny.yaml
 
 Writes ``<run>/bench/results.json``, ``results.md`` and ``manifest.json``. Each ratio is
-baseline time / our time over the same work in the same run, the median of ``--repeats``
-alternating runs, so above 1 means ours is faster:
+baseline time / our time over the same work in the same round, above 1 when ours is faster;
+``--repeats`` rounds alternate the order, and every time and ratio is reported as min / median /
+max with its target and whether the range meets it, misses it or straddles it (the machine's
+noise then exceeds the difference, and one run would have said either):
 
 - **client**: our generation client (``pipeline.generate.regenerate_all``: retries, turn
   handling, records fsynced in groups) against a bare ``aiohttp`` loop with a semaphore, on the
@@ -15,8 +17,11 @@ alternating runs, so above 1 means ours is faster:
   (import, profile, dataset loading, manifest included) against a bare-loop script run as a
   process.
 - **shard writer**: ``pipeline.core.atomic_files.save_tensors_atomically`` (safetensors
-  serialisation, temporary file, fsync, rename) against ``dd conv=fsync`` writing the same number
-  of files of the same size on the same disk; shards have the hero profile's shape by default.
+  serialisation, temporary file, fsync, rename) against ``dd conv=fsync`` writing the same bytes
+  to the same number of files on the same disk; shards have the hero profile's shape by default.
+  The same rounds time where the difference goes: dd of zeros (the first baseline, which storage
+  can write faster than real data), dd without fsync (the page cache alone) and our writes into
+  tmpfs (serialisation and a memory copy, no disk).
 - **bytes per token**: the shard files' bytes against the planner's formula (captured layers x
   hidden size x dtype bytes); the rest is 8 bytes of token id per token (the formula counts
   hidden states only) and the safetensors header, reported with and without the token ids.
@@ -35,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -129,16 +135,54 @@ def seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "min": round(min(values), 4),
+        "median": round(statistics.median(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Each of ``fns`` timed ``repeats`` times in rounds, the order rotated every round, so
+    drift (page cache, a neighbour's load, thermal) falls on all of them alike."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(seconds(fns[name]))
+    return times
+
+
+def verdict(ratio: dict[str, float], target: float) -> str:
+    if ratio["min"] >= target:
+        return "meets target"
+    if ratio["max"] < target:
+        return "misses target"
+    return "straddles target"
+
+
+def compared(base_s: list[float], ours_s: list[float], target: float) -> dict[str, Any]:
+    """Times and round-by-round ratios baseline/ours (above 1: ours faster) as min / median /
+    max, and where the ratios lie against ``target``: a range that straddles it says the
+    machine's noise is larger than the difference, and no single run decides."""
+    ratio = spread([b / o for b, o in zip(base_s, ours_s, strict=True)])
+    return {
+        "repeats": len(base_s),
+        "baseline_s": spread(base_s),
+        "ours_s": spread(ours_s),
+        "ratio": ratio,
+        "target": target,
+        "verdict": verdict(ratio, target),
+    }
+
+
 def side_by_side(
-    baseline: Callable[[], Any], ours: Callable[[], Any], repeats: int
-) -> dict[str, float]:
-    """Alternate the two ``repeats`` times; medians and baseline/ours (above 1: ours faster)."""
-    base_s, ours_s = [], []
-    for _ in range(repeats):
-        base_s.append(seconds(baseline))
-        ours_s.append(seconds(ours))
-    b, o = statistics.median(base_s), statistics.median(ours_s)
-    return {"baseline_s": round(b, 4), "ours_s": round(o, 4), "ratio": round(b / o, 4)}
+    baseline: Callable[[], Any], ours: Callable[[], Any], repeats: int, target: float
+) -> dict[str, Any]:
+    times = interleaved({"baseline": baseline, "ours": ours}, repeats)
+    return compared(times["baseline"], times["ours"], target)
 
 
 def bench_client(profile: Profile, base: str, folder: Path, args: argparse.Namespace) -> dict:
@@ -162,9 +206,9 @@ def bench_client(profile: Profile, base: str, folder: Path, args: argparse.Names
     def httpx_reference() -> None:
         asyncio.run(bare_httpx_loop(endpoint.v1, args.requests, args.concurrency, args.max_tokens))
 
-    result = side_by_side(baseline, ours, args.repeats)
-    result["requests_per_s_ours"] = round(args.requests / result["ours_s"], 1)
-    result["requests_per_s_bare"] = round(args.requests / result["baseline_s"], 1)
+    result = side_by_side(baseline, ours, args.repeats, args.client_target)
+    result["requests_per_s_ours"] = round(args.requests / result["ours_s"]["median"], 1)
+    result["requests_per_s_bare"] = round(args.requests / result["baseline_s"]["median"], 1)
     httpx_s = seconds(httpx_reference)
     result["requests_per_s_bare_httpx"] = round(args.requests / httpx_s, 1)
     return result
@@ -193,11 +237,12 @@ def bench_stage_process(profile: Profile, base: str, folder: Path, args) -> dict
                str(args.requests), str(args.concurrency), str(args.max_tokens)]  # fmt: skip
         subprocess.run(cmd, env=env, check=True, capture_output=True)
 
-    return side_by_side(baseline, ours, args.repeats)
+    return side_by_side(baseline, ours, args.repeats, args.stage_target)
 
 
 def bench_shards(shape_profile: Profile, folder: Path, args: argparse.Namespace) -> dict:
     import torch
+    from safetensors.torch import save, save_file
 
     v = shape_profile.verifier
     layers = len(captured_layer_ids(shape_profile))
@@ -207,6 +252,7 @@ def bench_shards(shape_profile: Profile, folder: Path, args: argparse.Namespace)
         "token_ids": torch.arange(args.shard_tokens, dtype=torch.int64),
     }
     shard_dir = folder / "shards"
+    same_bytes = folder / "dd-source.safetensors"  # dd's input: the very bytes we write
     nbytes = 0
 
     def fresh() -> None:
@@ -219,17 +265,37 @@ def bench_shards(shape_profile: Profile, folder: Path, args: argparse.Namespace)
         for i in range(args.shards):
             nbytes = save_tensors_atomically(tensors, shard_dir / f"hs_{i}.safetensors")
 
-    def baseline() -> None:
-        fresh()
-        for i in range(args.shards):
-            subprocess.run(
-                ["dd", "if=/dev/zero", f"of={shard_dir / f'dd_{i}'}", f"bs={nbytes}", "count=1",
-                 "conv=fsync", "status=none"],
-                check=True,
-            )  # fmt: skip
+    def dd(source: str, fsync: bool) -> Callable[[], None]:
+        def write_all() -> None:
+            fresh()
+            for i in range(args.shards):
+                subprocess.run(
+                    ["dd", f"if={source}", f"of={shard_dir / f'dd_{i}'}", f"bs={nbytes}",
+                     "count=1", "status=none", *(["conv=fsync"] if fsync else [])],
+                    check=True,
+                )  # fmt: skip
 
-    ours()  # sizes the dd blocks and warms the page cache's allocator for both
-    result = side_by_side(baseline, ours, args.repeats)
+        return write_all
+
+    memory = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else folder))
+
+    def into_memory() -> None:  # the same safetensors writes into tmpfs: no disk, no fsync
+        for _ in range(args.shards):
+            save_file(tensors, memory / "shard.safetensors")
+
+    ours()  # sizes the dd blocks and warms the page cache's allocator for all
+    atomic_write_bytes(same_bytes, save(tensors))
+    times = interleaved(
+        {
+            "dd": dd(str(same_bytes), fsync=True),
+            "ours": ours,
+            "dd_zeros": dd("/dev/zero", fsync=True),
+            "dd_no_fsync": dd(str(same_bytes), fsync=False),
+            "into_memory": into_memory,
+        },
+        args.repeats,
+    )
+    result = compared(times["dd"], times["ours"], args.shard_target)
     ours()  # leave our shards on disk to measure them
     file_bytes = sum(p.stat().st_size for p in shard_dir.glob("hs_*.safetensors"))
     tokens = args.shards * args.shard_tokens
@@ -237,14 +303,31 @@ def bench_shards(shape_profile: Profile, folder: Path, args: argparse.Namespace)
     payload = tokens * formula
     token_id_bytes = tokens * 8
     shutil.rmtree(shard_dir)
+    shutil.rmtree(memory)
+    same_bytes.unlink()
+    mb = args.shards * nbytes / 1e6
     return {
         **result,
         "shape": [args.shard_tokens, layers, v.hidden_size],
         "dtype": v.dtype,
         "shards": args.shards,
         "shard_bytes": nbytes,
-        "dd_mb_per_s": round(args.shards * nbytes / result["baseline_s"] / 1e6, 1),
-        "ours_mb_per_s": round(args.shards * nbytes / result["ours_s"] / 1e6, 1),
+        "dd_mb_per_s": round(mb / result["baseline_s"]["median"], 1),
+        "ours_mb_per_s": round(mb / result["ours_s"]["median"], 1),
+        # Where the time goes, from the same rounds: dd of zeros (the baseline before; storage
+        # may treat zero pages specially), dd without fsync (the page cache alone), and our
+        # writes into tmpfs (serialisation and a memory copy, no disk).
+        "breakdown": {
+            "dd_zeros": compared(times["dd_zeros"], times["ours"], args.shard_target),
+            "dd_no_fsync_s": spread(times["dd_no_fsync"]),
+            "fsync_share_of_dd": round(
+                1 - statistics.median(times["dd_no_fsync"]) / statistics.median(times["dd"]), 3
+            ),
+            "into_memory_s": spread(times["into_memory"]),
+            "into_memory_share_of_ours": round(
+                statistics.median(times["into_memory"]) / statistics.median(times["ours"]), 3
+            ),
+        },
         "bytes_per_token": {
             "formula": formula,
             "formula_terms": f"{layers} layers x {v.hidden_size} x {DTYPE_BYTES[v.dtype]} B",
@@ -260,25 +343,53 @@ def bench_shards(shape_profile: Profile, folder: Path, args: argparse.Namespace)
     }
 
 
+def span(times: dict[str, float], unit: str = "") -> str:
+    return f"{times['min']} / {times['median']} / {times['max']}{unit}"
+
+
 def results_markdown(results: dict[str, Any]) -> str:
     c, p, s = results["client"], results["generate_stage_process"], results["shard_writer"]
-    bpt = s["bytes_per_token"]
+    bpt, parts = s["bytes_per_token"], s["breakdown"]
     a = results["settings"]
+
+    def row(what: str, r: dict[str, Any]) -> str:
+        return (
+            f"| {what} | {span(r['baseline_s'], ' s')} | {span(r['ours_s'], ' s')} | "
+            f"{span(r['ratio'])} | {r['target']} | {r['verdict']} |"
+        )
+
+    zeros = parts["dd_zeros"]
     return "\n".join(
         [
-            "| measurement | baseline | ours | baseline / ours |",
-            "|---|---|---|---|",
-            f"| generation client, {a['requests']} requests at concurrency {a['concurrency']} "
-            f"vs bare aiohttp loop | {c['baseline_s']} s | {c['ours_s']} s | {c['ratio']} |",
-            f"| generate stage as a process vs bare-loop process | {p['baseline_s']} s | "
-            f"{p['ours_s']} s | {p['ratio']} |",
-            f"| shard writer vs `dd conv=fsync`, {s['shards']} x {s['shard_bytes']:,} B "
-            f"{s['shape']} {s['dtype']} | {s['baseline_s']} s ({s['dd_mb_per_s']} MB/s) | "
-            f"{s['ours_s']} s ({s['ours_mb_per_s']} MB/s) | {s['ratio']} |",
+            f"Each figure is min / median / max over {a['repeats']} rounds in which baseline and "
+            "ours run one after the other (the order alternating); a ratio is baseline / ours "
+            "within one round (above 1: ours faster).",
             "",
-            f"Requests per second: ours {c['requests_per_s_ours']}, bare aiohttp loop "
+            "| measurement | baseline | ours | ratio | target | verdict |",
+            "|---|---|---|---|---|---|",
+            row(
+                f"generation client, {a['requests']} requests at concurrency "
+                f"{a['concurrency']} vs bare aiohttp loop",
+                c,
+            ),
+            row("generate stage as a process vs bare-loop process", p),
+            row(
+                f"shard writer vs `dd conv=fsync` of the same bytes, {s['shards']} x "
+                f"{s['shard_bytes']:,} B {s['shape']} {s['dtype']}",
+                s,
+            ),
+            "",
+            f"Requests per second (medians): ours {c['requests_per_s_ours']}, bare aiohttp loop "
             f"{c['requests_per_s_bare']}, bare httpx loop {c['requests_per_s_bare_httpx']} "
             f"(stand-in endpoint, {a['delay_ms']} ms per request).",
+            "",
+            f"Shard writer, where the time goes (medians): dd {s['dd_mb_per_s']} MB/s, ours "
+            f"{s['ours_mb_per_s']} MB/s; fsync is {parts['fsync_share_of_dd']:.0%} of dd's time "
+            f"(without it {span(parts['dd_no_fsync_s'], ' s')}); our writes into tmpfs (no disk) "
+            f"{span(parts['into_memory_s'], ' s')}, {parts['into_memory_share_of_ours']:.0%} of "
+            "ours. "
+            f"Against `dd` of zeros (the baseline before): ratio {span(zeros['ratio'])}, "
+            f"{zeros['verdict']}.",
             "",
             f"Bytes per token: formula {bpt['formula']:,} ({bpt['formula_terms']}); files "
             f"{bpt['file']:,}, {bpt['file_over_formula']:.4%} over: "
@@ -328,7 +439,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--delay-ms", type=float, default=50, help="stand-in endpoint latency")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9, help="alternating rounds per ratio")
+    # Targets, as baseline / ours: the client within 5% of a bare loop; the stage's start-up
+    # (imports, profile, manifest) within a third of a bare-loop process over the default
+    # requests; the shard writer within 10% of dd writing the same bytes with fsync.
+    parser.add_argument("--client-target", type=float, default=0.95)
+    parser.add_argument("--stage-target", type=float, default=0.75)
+    parser.add_argument("--shard-target", type=float, default=0.9)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--shard-tokens", type=int, default=1000)
     parser.add_argument(

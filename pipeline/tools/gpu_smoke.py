@@ -147,7 +147,7 @@ def train_steps(profile: Profile, extract: ExtractOutputs, rows: int, out: Path)
     verifier = stage_manifest(profile, "verifier").outputs
     as_text = text_view(verifier.model, verifier.revision, out / "verifier-text")
     layers = extract.captured_layer_ids[:-1]
-    store = rendezvous(profile.train)
+    store = rendezvous(profile.train.model_copy(update={"nodes": None}))  # this machine alone
     cmd = train_command(profile, as_text, view, save, layers, store=store)
     steps = out / "progress.json"
     env = {**train_env(store), PROGRESS_FILE_ENV: str(steps)}

@@ -101,14 +101,16 @@ def measured_or_assumed(profile: Profile) -> dict[str, Figure]:
 
 
 def planned_samples(profile: Profile) -> int:
-    """How many prompts generate will read: data.max_samples, at most the rows of a local set."""
+    """How many prompts generate will read: data.max_samples, at most the rows of a local set,
+    and the prompts the verifier writes itself (data.self_written.count)."""
     d = profile.data
+    own = d.self_written.count if d.self_written else 0
     if resolve_local(d.dataset) is None:
         if d.max_samples is None:
             raise PlanError(f"set data.max_samples: the planner does not download {d.dataset!r}")
-        return d.max_samples
+        return d.max_samples + own
     rows = count_rows(d.dataset, d.revision, d.split)
-    return rows if d.max_samples is None else min(d.max_samples, rows)
+    return (rows if d.max_samples is None else min(d.max_samples, rows)) + own
 
 
 def phase_hours(

@@ -58,6 +58,18 @@ class Rendezvous:
         }
 
 
+def check_fabric(train: TrainConfig) -> None:
+    """Refuse a fabric interface this machine does not have, naming those it has."""
+    if train.nodes is None:
+        return
+    interfaces = psutil.net_if_addrs()
+    if train.nodes.interface not in interfaces:
+        raise TrainError(
+            f"train.nodes.interface {train.nodes.interface!r} is not a network interface of "
+            f"this machine (it has {', '.join(sorted(interfaces))}): name the private fabric's"
+        )
+
+
 def rendezvous(train: TrainConfig) -> Rendezvous | None:
     """The store of a run with several ranks; None for one rank, which opens no store."""
     if not train.distributed:
@@ -65,12 +77,7 @@ def rendezvous(train: TrainConfig) -> Rendezvous | None:
     nodes = train.nodes
     if nodes is None:
         return Rendezvous(LOOPBACK, free_port(), 1, 0, "lo")
-    interfaces = psutil.net_if_addrs()
-    if nodes.interface not in interfaces:
-        raise TrainError(
-            f"train.nodes.interface {nodes.interface!r} is not a network interface of this "
-            f"machine (it has {', '.join(sorted(interfaces))}): name the private fabric's"
-        )
+    check_fabric(train)
     return Rendezvous(
         nodes.store_address, nodes.store_port, nodes.count, nodes.rank, nodes.interface
     )
@@ -92,8 +99,8 @@ def launcher(train: TrainConfig, store: Rendezvous | None) -> list[str]:
 def train_env(store: Rendezvous | None) -> dict[str, str]:
     """The trainer's environment: collectives between ranks on the store's interface."""
     env = dict(os.environ)
-    if store is not None:
-        env |= {"GLOO_SOCKET_IFNAME": store.interface, "NCCL_SOCKET_IFNAME": store.interface}
+    if store is not None:  # NCCL takes a prefix unless "=" asks for this interface exactly
+        env |= {"GLOO_SOCKET_IFNAME": store.interface, "NCCL_SOCKET_IFNAME": f"={store.interface}"}
     return env
 
 
@@ -114,6 +121,8 @@ def train_command(
     ``pretrained``: the drafter to finetune, whose own shape and draft vocabulary are kept,
     ``store``: the rendezvous of several ranks (:func:`rendezvous`)."""
     t, v = profile.train, profile.verifier
+    if (store is None) != (not t.distributed):
+        raise ValueError(f"train.world_size {t.world_size} needs a rendezvous: see rendezvous()")
     if online_v1:
         hidden_states = ["--on-missing", "generate", "--vllm-endpoint", online_v1,
                          "--request-timeout", str(profile.generate.request_timeout_s),

