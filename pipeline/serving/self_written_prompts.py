@@ -3,9 +3,9 @@
 The verifier's own chat template, rendered up to where a user's words begin (a system turn
 included when the template adds one), is sent to the server as a raw completion: what the model
 writes next, up to the end of that turn, is what a user says to it. Such prompts are open by
-construction: no third party's text, the verifier's license alone (release/licenses.py licenses
-the ``self-written`` source as the verifier). Their replies are then regenerated like any other
-prompt's, so the drafter learns the verifier on prompts from the verifier's own distribution.
+construction: no third party's text, the verifier's license alone (release/license_rules.py
+licenses the ``self-written`` source as the verifier). Their replies are then regenerated like
+any other prompt's, so the drafter learns the verifier on prompts from its own distribution.
 
 Invariants:
 - request ``i`` is sampled with seed ``request_seed(run seed, "self-written", i)`` at the
