@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,26 +57,43 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes, reserve_bytes: int = 0) -> None:
-    """Write ``data`` to ``path`` atomically; refuse first if it would cross ``reserve_bytes``."""
+def write_atomically(
+    path: Path, needed: int, reserve_bytes: int, write: Callable[[str], None]
+) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then fsync, rename over ``path``
+    and fsync the folder; refuse first if ``needed`` bytes would cross ``reserve_bytes``. On
+    any failure the temporary file is removed and ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if reserve_bytes:
         free = free_bytes(path.parent)
-        if free - len(data) < reserve_bytes:
-            raise ReserveExceededError(path, len(data), free, reserve_bytes)
+        if free - needed < reserve_bytes:
+            raise ReserveExceededError(path, needed, free, reserve_bytes)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes, reserve_bytes: int = 0) -> None:
+    """Write ``data`` to ``path`` atomically; refuse first if it would cross ``reserve_bytes``."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+
+    write_atomically(path, len(data), reserve_bytes, write)
 
 
 HEADER_ALLOWANCE = 1 << 16  # a safetensors header: a few hundred bytes per tensor, at most
@@ -89,16 +107,7 @@ def save_tensors_atomically(tensors: dict, path: Path, reserve_bytes: int = 0) -
     against ``dd`` (``make bench``)."""
     from safetensors.torch import save_file  # here: torch is heavy and most callers lack it
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if reserve_bytes:
-        needed = sum(t.numel() * t.element_size() for t in tensors.values()) + HEADER_ALLOWANCE
-        free = free_bytes(path.parent)
-        if free - needed < reserve_bytes:
-            raise ReserveExceededError(path, needed, free, reserve_bytes)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
-    os.close(fd)
-    try:
+    def write(tmp: str) -> None:
         try:
             save_file(tensors, tmp)
         except OSError:
@@ -106,18 +115,10 @@ def save_tensors_atomically(tensors: dict, path: Path, reserve_bytes: int = 0) -
         except Exception as err:  # safetensors reports a failed write as its own error type
             code = errno.ENOSPC if "No space left" in str(err) else errno.EIO
             raise OSError(code, f"writing {path}: {err}") from err
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-    return path.stat().st_size
+
+    needed = sum(t.numel() * t.element_size() for t in tensors.values()) + HEADER_ALLOWANCE
+    write_atomically(path, needed, reserve_bytes, write)
+    return Path(path).stat().st_size
 
 
 def remove_temporaries(folder: Path) -> int:
