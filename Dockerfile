@@ -12,20 +12,25 @@ ARG VARIANT=gpu
 ARG CPU_BASE=eagle3-release-base:bookworm
 
 FROM vllm/vllm-openai:v0.32.0 AS deps-gpu
-COPY requirements/container.txt /tmp/requirements/container.txt
-RUN python3 -m pip install --no-cache-dir -r /tmp/requirements/container.txt
+COPY requirements/container.txt requirements/verifiers.txt /tmp/requirements/
+RUN python3 -m pip install --no-cache-dir -r /tmp/requirements/container.txt \
+    && python3 -m pip install --no-cache-dir --no-deps --require-hashes \
+        -r /tmp/requirements/verifiers.txt
 
 # hadolint ignore=DL3006
 FROM ${CPU_BASE} AS deps-cpu
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:${PATH}
-COPY requirements/cpu.lock /tmp/requirements/cpu.lock
-# As `make venv` does: CPU torch (with its own dependencies) first, then the lock, exactly.
+COPY requirements/cpu.lock requirements/verifiers.txt /tmp/requirements/
+# As `make venv` does: CPU torch (with its own dependencies) first, then the lock, exactly, then
+# the packaged verifiers, hash-checked.
 RUN --mount=type=bind,source=.build/wheels,target=/wheels \
     python3 -m venv /opt/venv \
     && pip install --no-cache-dir --no-index --find-links /wheels torch==2.13.0 \
     && pip install --no-cache-dir --no-index --find-links /wheels --no-deps \
-        -r /tmp/requirements/cpu.lock
+        -r /tmp/requirements/cpu.lock \
+    && pip install --no-cache-dir --no-index --find-links /wheels --no-deps --require-hashes \
+        -r /tmp/requirements/verifiers.txt
 
 # hadolint ignore=DL3006
 FROM deps-${VARIANT} AS release

@@ -1,5 +1,8 @@
 # The only orchestration layer: one target per stage; README commands are these targets.
 #   make demo                               the whole pipeline on the tiny profile (CPU, minutes)
+#   make real-demo                          the same on a real open model, SmolLM2-135M-Instruct,
+#                                           with its data curve (CPU, about an hour on 2 cores)
+#   make data-curve CONFIG=...              drafters on growing token budgets, measured in vLLM
 #   make test                               the default test run (CI runs exactly this)
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
 #   make hero-run RUNNER=compose CONFIG=...  the same stages in containers (compose.yaml)
@@ -44,7 +47,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv demo real-demo data-curve image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
@@ -66,6 +69,12 @@ demo: $(STAMP)
 	@echo; echo "Acceptance of the tiny drafter in vLLM (runs/tiny/eval/results.md):"
 	@cat runs/tiny/eval/results.md
 
+# The plan's time per phase first, then every stage with its progress bar (rate and ETA).
+real-demo: $(STAMP)
+	$(MAKE) hero-run CONFIG=configs/smollm2-135m.yaml ARGS='$(ARGS)'
+	@echo; echo "Acceptance of the SmolLM2 drafter in vLLM (runs/smollm2-135m/eval/results.md):"
+	@cat runs/smollm2-135m/eval/results.md
+
 ifeq ($(RUNNER),local)
 hero-run: $(STAMP)
 	$(STAGE) pipeline.tools.plan --check --config $(CONFIG) $(ARGS)
@@ -75,6 +84,7 @@ hero-run: $(STAMP)
 	$(MAKE) extract CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) train CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) eval CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) data-curve CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) card CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) publish CONFIG=$(CONFIG) ARGS='$(ARGS)'
 else ifeq ($(RUNNER),compose)
@@ -97,7 +107,8 @@ endif
 DOCKER_SOCKET = $(patsubst unix://%,%,$(or $(DOCKER_HOST),unix:///var/run/docker.sock))
 
 # Builds with BuildKit. VARIANT=cpu first gathers the CPU wheels (torch 2.13.0 with its
-# dependencies, then the exact lock, sdists built here) into .build/wheels, which the build
+# dependencies, then the exact lock, sdists built here, and the packaged verifiers) into
+# .build/wheels, which the build
 # mounts, never copies.
 image: $(if $(filter cpu,$(VARIANT)),.build/wheels/.complete)
 	@command -v docker >/dev/null || { echo "error: make image needs Docker (docker build); RUNNER=local runs the stages without it" >&2; exit 2; }
@@ -109,11 +120,13 @@ endif
 	DOCKER_BUILDKIT=1 docker build --network host --build-arg VARIANT=$(VARIANT) \
 		--build-arg CPU_BASE=$(CPU_BASE) --build-arg UID=$(BUILD_UID) -t $(IMAGE) .
 
-.build/wheels/.complete: requirements/cpu.lock $(STAMP)
+.build/wheels/.complete: requirements/cpu.lock requirements/verifiers.txt $(STAMP)
 	rm -rf .build/wheels
 	$(PY) -m pip download -qq --disable-pip-version-check --dest .build/wheels torch==2.13.0
 	$(PY) -m pip wheel -qq --disable-pip-version-check --wheel-dir .build/wheels --no-deps \
 		-r requirements/cpu.lock
+	$(PY) -m pip download -qq --disable-pip-version-check --dest .build/wheels --no-deps \
+		--require-hashes -r requirements/verifiers.txt
 	touch $@
 
 # The container tests (marker `containers`) on a private Docker engine that lives for the run:
@@ -161,6 +174,11 @@ train: $(STAMP)
 # BASE_URL=http://host:port measures a deployment that is already running, starting nothing.
 eval: $(STAMP)
 	$(STAGE) eval --config $(CONFIG) $(if $(BASE_URL),server.base_url=$(BASE_URL)) $(ARGS)
+
+# Profiles with a data_curve section: a drafter per token budget, each trained and measured as
+# train and eval do, in runs/<name>/data_curve/; without one it has nothing to do.
+data-curve: $(STAMP)
+	$(STAGE) pipeline.data_curve --config $(CONFIG) $(ARGS)
 
 card: $(STAMP)
 	$(STAGE) model_card.card --config $(CONFIG) $(ARGS)

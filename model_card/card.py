@@ -3,7 +3,8 @@
 Run as: python -m model_card.card --config configs/tiny.yaml   (make card)
 
 Reads the manifests of `verifier`, `generate`, `licenses`, `extract`, `train` and `eval`, eval's
-results and plots, and the license check's report; writes ``<run>/card/README.md`` with the
+results and plots, the license check's report, and `data_curve`'s points and plot when the
+profile has a data curve; writes ``<run>/card/README.md`` with the
 plots beside it, and ``manifest.json``.
 
 Invariants:
@@ -35,7 +36,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from pipeline.core.atomic_files import atomic_write_bytes
 from pipeline.core.config import Profile
-from pipeline.core.contracts import CONTRACTS, CardOutputs, Manifest
+from pipeline.core.contracts import CONTRACTS, CardOutputs, DataCurveOutputs, Manifest
 from pipeline.core.drafter import drafter_digest
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import (
@@ -175,6 +176,7 @@ def render_body(
     summary: dict[str, Any],
     plots: list[dict[str, Any]],
     card_data: ModelCardData,
+    curve: dict[str, Any] | None = None,
 ) -> str:
     """The card's text: ``drafter_card.md.j2`` over the input manifests (``m``), the license
     report, eval's summary, table and plots, and the metadata block."""
@@ -209,7 +211,24 @@ def render_body(
         train_cfg=profile.train,
         hardware=train.hardware,
         wall={s: round(m[s].wall_time_s) for s in ("generate", "extract", "train", "eval")},
+        curve=curve,
     )
+
+
+def data_curve_view(outputs: DataCurveOutputs) -> dict[str, Any]:
+    """The curve's points, each beside ngram's line and the verifier alone (speedup 1.0)."""
+    ngram = outputs.ngram or {}
+    points = [
+        {
+            **p,
+            "over_ngram": p["mean_acceptance_length"] / ngram["mean_acceptance_length"]
+            if ngram.get("mean_acceptance_length")
+            else None,
+        }
+        for p in outputs.points
+    ]
+    return {"plot": outputs.plot, "k": outputs.k, "points": points,
+            "not_reached": outputs.not_reached, "ngram": outputs.ngram}  # fmt: skip
 
 
 def run(profile: Profile) -> dict[str, Any]:
@@ -218,7 +237,11 @@ def run(profile: Profile) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     # Each input typed and fresh: an eval of another checkpoint, a license check of other
     # data, is stale (contracts), and refused here with the target to rerun.
-    m = {stage: read_input(profile, "card", stage) for stage in CONTRACTS["card"].inputs}
+    contract = CONTRACTS["card"]
+    m = {stage: read_input(profile, "card", stage) for stage in contract.inputs
+         if stage not in contract.optional}  # fmt: skip
+    if profile.data_curve:  # the profile asks for the curve: the card must show it
+        m["data_curve"] = read_input(profile, "card", "data_curve")
     licenses = passed_license_report(profile, "card")
     results = json.loads((stage_dir(profile, "eval") / m["eval"].outputs.results).read_text())
     evaluated = m["eval"].outputs.drafter_sha256
@@ -236,9 +259,12 @@ def run(profile: Profile) -> dict[str, Any]:
     plots = results.get("plots", [])
     for plot in plots:
         shutil.copy2(stage_dir(profile, "eval") / plot["file"], folder / plot["file"])
+    curve = data_curve_view(m["data_curve"].outputs) if "data_curve" in m else None
+    if curve:
+        shutil.copy2(stage_dir(profile, "data_curve") / curve["plot"], folder / curve["plot"])
     summary = results["summary"]
     card_data = card_metadata(profile, licenses, summary, f"{profile.run.name}-eagle3")
-    body = render_body(profile, m, licenses, summary, plots, card_data)
+    body = render_body(profile, m, licenses, summary, plots, card_data, curve)
     atomic_write_bytes(folder / "README.md", body.encode())
     reloaded = ModelCard.load(folder / "README.md")
     if reloaded.data.to_dict() != card_data.to_dict():
@@ -253,7 +279,7 @@ def run(profile: Profile) -> dict[str, Any]:
             repo_id=drafter_repo_id(profile),
             license=licenses["drafter_license"],
             drafter_sha256=evaluated,
-            plots=[p["file"] for p in plots],
+            plots=[p["file"] for p in plots] + ([curve["plot"]] if curve else []),
         ),
         data_revision=m["generate"].data_revision,
     )

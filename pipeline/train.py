@@ -3,7 +3,8 @@
 Run as: python -m pipeline.train --config configs/tiny.yaml
 
 Reads `extract` (prepared data, hidden states, token frequencies, linked from ``train/data``,
-where speculators also writes the draft-vocabulary maps) and `verifier`; writes
+where speculators also writes the draft-vocabulary maps; with ``train.max_train_tokens``, a
+dataset of the rows that budget keeps: :mod:`pipeline.training.token_budget`) and `verifier`; writes
 ``<run>/train/checkpoints/<epoch>/`` in speculators format (config.json + model.safetensors,
 loadable by vLLM as ``method: eagle3``), the trainer's log, and a manifest naming the drafter
 checkpoint and the verifier, capture layers and chat template it was trained against.
@@ -75,20 +76,9 @@ from pipeline.training.launch import (
 from pipeline.training.pretrained_drafter import start_from
 from pipeline.training.speculators_train import PROGRESS_FILE_ENV
 from pipeline.training.text_view import name_verifier, text_view, verifier_config
+from pipeline.training.token_budget import training_view
 
 log = logging.getLogger(__name__)
-
-
-def data_view(prepared: Path, view: Path) -> Path:
-    """A folder of links to extract's data, so the vocab maps speculators writes land here."""
-    view.mkdir(parents=True, exist_ok=True)
-    for item in prepared.iterdir():
-        if item.name.startswith(("d2t-", "t2d-")):
-            continue
-        link = view / item.name
-        if not link.is_symlink():
-            link.symlink_to(item.resolve())
-    return view
 
 
 def extraction_server(
@@ -171,7 +161,13 @@ def run(profile: Profile) -> dict[str, Any]:
     node = profile.train.nodes.rank if profile.train.nodes else 0
     work = folder / f"node{node}" if node else folder
     work.mkdir(parents=True, exist_ok=True)
-    prepared = data_view(stage_dir(profile, "extract") / extract.outputs.prepared, work / "data")
+    prepared = work / "data"  # speculators writes the draft-vocabulary maps here
+    used = training_view(
+        stage_dir(profile, "extract") / extract.outputs.prepared,
+        prepared,
+        profile.train.train_data_ratio,
+        profile.train.max_train_tokens,
+    )
     save = folder / "checkpoints"
     # speculators gets the verifier's text model when it is a multimodal wrapper (Kimi-K2.5)
     as_text = text_view(verifier.model, verifier.revision, work / "verifier-text")
@@ -187,8 +183,9 @@ def run(profile: Profile) -> dict[str, Any]:
         online_v1 = online.v1 if online else None
         store = rendezvous(profile.train)  # its port picked just before the ranks start
         cmd = train_command(
-            profile, as_text, prepared, save, layers, online_v1, fp8, pretrained, store
-        )
+            profile, as_text, prepared, save, layers, online_v1, fp8, pretrained, store,
+            train_data_ratio=used.train_data_ratio,
+        )  # fmt: skip
         run_trainer(work, cmd, store)
         # Tokens the extraction server ran for training: the measured cost of online mode.
         generated_tokens = int(scrape(online.base_url).prompt_tokens) if online else 0
@@ -201,6 +198,7 @@ def run(profile: Profile) -> dict[str, Any]:
     outputs = drafter_outputs(
         drafter, config, folder / "progress.json", cmd, verifier, extract.outputs, generated_tokens
     )
+    outputs.training_data = used.record()
     if pretrained:
         outputs.from_pretrained = pretrained.record
     if store:

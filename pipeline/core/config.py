@@ -376,6 +376,10 @@ class TrainConfig(StrictModel):
     from_pretrained: Annotated[PretrainedDrafter | None, BeforeValidator(_path_alone)] = None
     # Stop after this many optimizer steps (None: train.epochs whole epochs).
     max_steps: PositiveInt | None = None
+    # Train on the first rows of the training split holding at most this many tokens (None:
+    # all of it); the validation split stays whole, so runs on different budgets are measured
+    # on the same rows. The data curve (`data_curve`) sets it for each of its points.
+    max_train_tokens: PositiveInt | None = None
     extra_args: list[str] = Field(default_factory=list)
 
     @property
@@ -444,7 +448,8 @@ class EvalConfig(StrictModel):
     min_acceptance_length: float = Field(default=1.1, ge=1)
     # Below this ratio of served acceptance to the drafter's validation accuracy, at any draft
     # position of the headline EAGLE-3 arm, eval is an error: training and serving disagree
-    # (another chat template, sequence length, dtype or capture layers when served).
+    # (another chat template, sequence length, dtype or capture layers when served). Positions
+    # under 0.1 validation accuracy are not judged: a ratio of two small rates is noise.
     min_served_over_validation: float = Field(default=0.5, gt=0)
     # vLLM's ngram (prompt lookup) drafter: n-gram sizes it matches against the prompt.
     ngram_prompt_lookup_min: PositiveInt = 2
@@ -535,6 +540,26 @@ class ReleaseConfig(StrictModel):
     revision: str = "main"
 
 
+class DataCurveConfig(StrictModel):
+    """How much data is enough: drafters trained on growing token budgets of the same
+    extracted data (``train.max_train_tokens``), each measured in vLLM on eval's prompts, where
+    eval measured ngram (stage `data_curve`)."""
+
+    # Training tokens of each point, ascending; a budget over what extraction holds is recorded
+    # as not reached (with the samples it would take), never trained twice on the same rows.
+    train_tokens: list[PositiveInt] = Field(default=[25_000, 100_000, 400_000], min_length=2)
+    # Draft tokens per step of every point (None: the k of eval's headline).
+    num_speculative_tokens: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _ascending(self) -> DataCurveConfig:
+        if self.train_tokens != sorted(set(self.train_tokens)):
+            raise ValueError(
+                f"data_curve.train_tokens must ascend without repeats: {self.train_tokens}"
+            )
+        return self
+
+
 class Profile(StrictModel):
     run: RunConfig
     verifier: VerifierConfig
@@ -546,6 +571,8 @@ class Profile(StrictModel):
     eval: EvalConfig = EvalConfig()
     release: ReleaseConfig = ReleaseConfig()
     plan: PlanConfig
+    # Drafters on growing token budgets (None: `make data-curve` has nothing to do).
+    data_curve: DataCurveConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Profile:

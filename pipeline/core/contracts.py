@@ -103,6 +103,8 @@ class TrainOutputs(Outputs):
     from_pretrained: dict[str, Any] | None = None
     # Several ranks: where their store listened (its only address), nodes, this node, interface.
     rendezvous: dict[str, Any] | None = None
+    # The rows and tokens trained on (all of extract's training split, or train.max_train_tokens).
+    training_data: dict[str, Any] | None = None
 
 
 class EvalOutputs(Outputs):
@@ -137,6 +139,15 @@ class PublishOutputs(Outputs):
     drafter_sha256: dict[str, str]
     license: dict[str, Any] | None
     data: list[dict[str, Any]]
+
+
+class DataCurveOutputs(Outputs):
+    curve: str  # every point: training data, validation metrics, served acceptance, speedup
+    plot: str
+    k: int
+    points: list[dict[str, Any]]  # run, train_tokens, mean_acceptance_length, speedup, rate
+    not_reached: list[dict[str, Any]]  # budgets beyond the extracted data, and what they need
+    ngram: dict[str, Any] | None  # vLLM's ngram drafter at k in eval: the line to clear
 
 
 class BenchOutputs(Outputs):
@@ -186,7 +197,8 @@ class Contract:
     optional: tuple[str, ...] = ()
 
 
-# In pipeline order; the folder of each is <run>/<name>. `bench` measures and feeds nothing.
+# In pipeline order; the folder of each is <run>/<name>. `bench` measures and feeds nothing;
+# `data_curve` runs only for a profile that asks for it.
 CONTRACTS: dict[str, Contract] = {
     "verifier": Contract(VerifierOutputs, (), "verifier"),
     "generate": Contract(GenerateOutputs, ("verifier",), "generate"),
@@ -194,12 +206,20 @@ CONTRACTS: dict[str, Contract] = {
     "extract": Contract(ExtractOutputs, ("verifier", "generate"), "extract"),
     "train": Contract(TrainOutputs, ("verifier", "extract"), "train"),
     "eval": Contract(EvalOutputs, ("verifier", "generate", "train"), "eval", ("train",)),
+    # Drafters on growing budgets of the same data, each measured like eval's (profiles with
+    # a data_curve section); the card shows the curve when the profile asks for one.
+    "data_curve": Contract(
+        DataCurveOutputs, ("verifier", "extract", "train", "eval"), "data-curve"
+    ),
     "card": Contract(
-        CardOutputs, ("verifier", "generate", "licenses", "extract", "train", "eval"), "card"
+        CardOutputs,
+        ("verifier", "generate", "licenses", "extract", "train", "eval", "data_curve"),
+        "card",
+        ("data_curve",),
     ),
     "publish": Contract(
         PublishOutputs, ("generate", "licenses", "train", "eval", "card"), "publish"
     ),
     "bench": Contract(BenchOutputs, ("verifier",), "bench"),
 }
-STAGES = tuple(name for name in CONTRACTS if name != "bench")
+STAGES = tuple(name for name in CONTRACTS if name not in ("bench", "data_curve"))

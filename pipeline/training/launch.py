@@ -114,12 +114,14 @@ def train_command(
     fp8: bool = False,
     pretrained: PretrainedStart | None = None,
     store: Rendezvous | None = None,
+    train_data_ratio: float | None = None,
 ) -> list[str]:
     """speculators' training command; ``capture_layer_ids``: the aux layers extraction
     captured (without the last, which speculators appends), ``online_v1``: the extraction
     server for online mode, ``fp8``: the stored shards are fp8 (extract's manifest says which),
     ``pretrained``: the drafter to finetune, whose own shape and draft vocabulary are kept,
-    ``store``: the rendezvous of several ranks (:func:`rendezvous`)."""
+    ``store``: the rendezvous of several ranks (:func:`rendezvous`), ``train_data_ratio``: the
+    split of a token budget's view (pipeline.training.token_budget), else the profile's."""
     t, v = profile.train, profile.verifier
     if (store is None) != (not t.distributed):
         raise ValueError(f"train.world_size {t.world_size} needs a rendezvous: see rendezvous()")
@@ -142,7 +144,7 @@ def train_command(
         "--epochs", str(t.epochs),
         "--lr", str(t.learning_rate),
         "--total-seq-len", str(t.total_seq_len),
-        "--train-data-ratio", str(t.train_data_ratio),
+        "--train-data-ratio", str(train_data_ratio or t.train_data_ratio),
         "--hidden-states-dtype", hidden_dtype,
         "--draft-attn-impl", t.draft_attn_impl,
         "--loss-implementation", t.loss_implementation,
