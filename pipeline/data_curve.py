@@ -23,8 +23,8 @@ Invariants:
   train config is the profile's and eval measured it at k (run ``.`` in the record);
 - a finished point (its eval manifest fresh over its train, and both over this run's verifier
   and extract) is kept on a rerun; an unfinished one resumes where its train or eval stopped;
-- a point whose profile changed (another recipe, k or prompts) is trained again from
-  the start;
+- a point whose profile changed (another recipe, k or prompts), or whose training is stale
+  (this run's verifier, generate or extract rerun since), is trained again from the start;
 - a profile without a ``data_curve`` section has nothing to measure and writes nothing;
 - each point's train and eval run under the server guard, so they and their servers die with
   this stage however it ends.
@@ -96,6 +96,7 @@ def point_profile(profile: Profile, record: TrainingData, k: int) -> Profile:
     tree = profile.dump()
     tree["run"] |= {"output_dir": str(stage_dir(profile, "data_curve")), "name": point_name(record)}
     tree["train"]["max_train_tokens"] = record.tokens
+    tree["server"]["base_url"] = None  # the point's own drafter, served by its eval
     tree["eval"] |= {
         "methods": ["eagle3"],
         "num_speculative_tokens": [k],
@@ -139,6 +140,19 @@ def finished(point: Profile) -> bool:
     return True
 
 
+def forget_stale_training(point: Profile) -> None:
+    """A point trained on data since rerun starts over: speculators would resume from its
+    last checkpoint and call the old drafter done."""
+    if not (point.run.run_dir / "train" / "manifest.json").exists():
+        return
+    try:
+        stage_manifest(point, "train")
+    except PipelineError:
+        log.info("data curve: %s was trained on older data; training it again", point.run.name)
+        for stage in ("train", "eval"):
+            shutil.rmtree(point.run.run_dir / stage, ignore_errors=True)
+
+
 def run_point(point: Profile, config: Path) -> None:
     """The point's train, then its eval, each as its own stage process."""
     folder = point.run.run_dir
@@ -154,10 +168,11 @@ def run_point(point: Profile, config: Path) -> None:
 
 
 def arm_at(results: dict[str, Any], method: str, k: int) -> dict[str, Any] | None:
-    """``method`` at k and batch size 1 in an eval's results (None when it was not measured):
+    """Our ``method`` at k and batch size 1 in an eval's results (None when it was not measured;
+    reference drafters are not ours):
     acceptance, speedup over the verifier alone, and whether its outputs were the baseline's."""
     for arm in results["runs"]:
-        if arm["method"] == method and arm["k"] == k:
+        if arm["method"] == method and arm["k"] == k and arm.get("reference") is None:
             level = next(lv for lv in arm["levels"] if lv["concurrency"] == 1)
             acceptance = level["acceptance"]
             return {
@@ -212,6 +227,8 @@ def plot(points: list[dict[str, Any]], ngram: dict[str, Any] | None, k: int, pat
         if key == "speedup":
             ax.axhline(1.0, ls=":", color="#5a5a5a", label="no speculation")
         ax.set_xscale("log")
+        ax.set_xticks(tokens, labels=[f"{t / 1000:.0f}K" for t in tokens])
+        ax.minorticks_off()
         ax.set_xlabel("training tokens")
         ax.set_ylabel(label or "speedup at batch size 1 (x)")
         ax.grid(alpha=0.3)
@@ -256,6 +273,7 @@ def run(profile: Profile) -> dict[str, Any]:
                 config = prepare_point(profile, point)
                 if not finished(point):
                     log.info("data curve: training and measuring %s", point.run.name)
+                    forget_stale_training(point)
                     run_point(point, config)
                 points.append(measured(point, point.run.name, record, k))
             bar.update(1)

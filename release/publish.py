@@ -67,8 +67,9 @@ from pipeline.core.model_names import drafter_repo_id, verifier_path
 from pipeline.core.portable import REPO_ROOT, portable, portable_text
 
 RELEASE = "release"
-# Stages whose manifests ship in the release, as manifests/<stage>.json.
-SHIPPED_MANIFESTS = tuple(s for s in STAGES if s != "publish")
+# Stages whose manifests ship in the release, as manifests/<stage>.json (the data curve's when
+# the profile ran one: the card shows it).
+SHIPPED_MANIFESTS = (*(s for s in STAGES if s != "publish"), "data_curve")
 # Files a Hub repository starts with that the release does not own.
 HUB_OWNED = {".gitattributes"}
 # The stage that wrote each released file: what to rerun when one names a machine path.

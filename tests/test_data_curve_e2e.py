@@ -46,7 +46,9 @@ def test_the_curve_trains_and_measures_each_budget_and_the_card_shows_it(tiny_ru
     validation_rows = set()
     for point in points:
         run_dir = stage_dir(profile, "data_curve") / point["run"]
-        trained = read_manifest(load_profile(run_dir / "profile.yaml"), "train")["outputs"]
+        own = point["run"] == "."  # the whole split: the seeded run's own drafter and eval
+        trained_by = profile if own else load_profile(run_dir / "profile.yaml")
+        trained = read_manifest(trained_by, "train")["outputs"]
         used = trained["training_data"]
         assert used["tokens"] == point["train_tokens"] <= used["available_tokens"]
         validation_rows.add(used["validation_rows"])
@@ -54,6 +56,7 @@ def test_the_curve_trains_and_measures_each_budget_and_the_card_shows_it(tiny_ru
     assert len(validation_rows) == 1, "every point is validated on the same rows"
     assert used["whole"]
 
+    assert points[-1]["run"] == ".", "the whole split is the run's own drafter, not trained again"
     made = (stage_dir(profile, "data_curve") / points[0]["run"] / "eval" / "manifest.json").stat()
     again = curve()
     assert again.returncode == 0, again.stderr[-3000:]

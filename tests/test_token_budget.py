@@ -125,6 +125,10 @@ def test_a_point_run_is_the_profile_on_a_budget_and_reloads_from_its_file(tmp_pa
     assert not (point.run.run_dir / "train").exists()
 
 
-def test_curve_budgets_must_ascend():
+def test_curve_budgets_must_ascend_and_a_budget_needs_stored_hidden_states():
     with pytest.raises(ConfigError, match="ascend without repeats"):
         load_profile("configs/smollm2-135m.yaml", ["data_curve.train_tokens=[200,100]"])
+    with pytest.raises(ConfigError, match=r"none are stored: use extract\.mode: offline"):
+        load_profile(
+            "configs/smollm2-135m.yaml", ["train.max_train_tokens=1000", "extract.mode=online"]
+        )

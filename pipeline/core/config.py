@@ -581,6 +581,11 @@ class Profile(StrictModel):
                 f"extract.max_seq_len={self.extract.max_seq_len} exceeds "
                 f"server.max_model_len={self.server.max_model_len}"
             )
+        if (self.train.max_train_tokens or self.data_curve) and self.extract.mode == "online":
+            raise ValueError(
+                "train.max_train_tokens (and data_curve) trains on a budget of stored hidden "
+                "states; with extract.mode: online none are stored: use extract.mode: offline"
+            )
         e = self.eval
         if "eagle3" not in e.methods and not e.reference_drafters and not self.server.base_url:
             raise ValueError(

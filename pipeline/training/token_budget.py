@@ -10,12 +10,13 @@ frequencies of its own rows (the draft vocabulary is chosen from what it trains 
 ratio that splits it at the same boundary.
 
 Invariants: the view is written whole into a temporary folder and renamed into place; a view
-of another selection is replaced, never reused; a budget below the first row is an error naming
-the smallest budget that trains.
+of another selection, or of data extraction has since rewritten, is replaced, never reused; a
+budget below the first row is an error naming the smallest budget that trains.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass
@@ -53,11 +54,22 @@ class TrainingData:
 
 
 def split_lengths(prepared: Path) -> tuple[list[int], list[int]]:
-    """Each row's tokens and supervised (assistant) tokens, in the dataset's order."""
+    """Each row's tokens and supervised (assistant) tokens, in the dataset's order; the masks
+    summed in Arrow a batch at a time (a hero run's are hundreds of millions of values)."""
+    import numpy as np
+    import pyarrow.compute as pc
     from datasets import load_from_disk
 
-    data = load_from_disk(str(prepared)).with_format(None)
-    return list(data["seq_len"]), [sum(mask) for mask in data["loss_mask"]]
+    data = load_from_disk(str(prepared)).with_format("arrow")
+    seq_lens: list[int] = []
+    supervised: list[int] = []
+    for batch in data.iter(batch_size=4096):
+        seq_lens += batch.column("seq_len").to_pylist()
+        masks = batch.column("loss_mask").combine_chunks()
+        rows = pc.list_parent_indices(masks).to_numpy(zero_copy_only=False)
+        ones = pc.list_flatten(masks).to_numpy(zero_copy_only=False)
+        supervised += np.bincount(rows, weights=ones, minlength=len(masks)).astype(int).tolist()
+    return seq_lens, supervised
 
 
 def split_index(rows: int, ratio: float) -> int:
@@ -105,7 +117,12 @@ def training_view(
     budget, else the budget's own dataset (module docstring). Returns what it trains on."""
     seq_lens, supervised = split_lengths(prepared)
     indices, record = select(seq_lens, supervised, ratio, max_train_tokens)
-    wanted = json.dumps({"max_train_tokens": max_train_tokens, "rows": indices}, sort_keys=True)
+    # The data's own fingerprint too: a view of data extraction has since rewritten is redone.
+    data = hashlib.sha256((prepared / "state.json").read_bytes() + repr(seq_lens).encode())
+    wanted = json.dumps(
+        {"max_train_tokens": max_train_tokens, "rows": indices, "data": data.hexdigest()},
+        sort_keys=True,
+    )
     marker = view / SELECTION
     if max_train_tokens is None or record.whole:
         if marker.exists():  # a budget's view: not the whole data
