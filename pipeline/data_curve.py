@@ -45,10 +45,11 @@ import yaml
 
 from pipeline.core.atomic_files import atomic_write_bytes, atomic_write_json
 from pipeline.core.config import DataCurveConfig, Profile
-from pipeline.core.contracts import DataCurveOutputs
+from pipeline.core.contracts import DataCurveOutputs, EvalOutputs, Manifest, TrainOutputs
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import (
     all_succeeded,
+    manifest_path,
     now,
     read_input,
     stage_dir,
@@ -125,32 +126,25 @@ def prepare_point(profile: Profile, point: Profile) -> Path:
     config = run_dir / "profile.yaml"
     text = yaml.safe_dump(point.dump(), sort_keys=False).encode()
     if config.exists() and config.read_bytes() != text:  # another recipe: start the point over
-        for stage in ("train", "eval"):
-            shutil.rmtree(run_dir / stage, ignore_errors=True)
+        start_over(point)
     atomic_write_bytes(config, text)
     return config
 
 
-def finished(point: Profile) -> bool:
-    """The point's eval is finished and fresh (over its train, and both over this run's)."""
+def start_over(point: Profile) -> None:
+    """Drop the point's train and eval: speculators would otherwise resume from its last
+    checkpoint and call the old drafter done."""
+    for stage in ("train", "eval"):
+        shutil.rmtree(stage_dir(point, stage), ignore_errors=True)
+
+
+def fresh(run: Profile, stage: str) -> bool:
+    """``stage`` of ``run`` is finished and fresh over its inputs, up the pipeline."""
     try:
-        stage_manifest(point, "eval")
+        stage_manifest(run, stage)
     except PipelineError:
         return False
     return True
-
-
-def forget_stale_training(point: Profile) -> None:
-    """A point trained on data since rerun starts over: speculators would resume from its
-    last checkpoint and call the old drafter done."""
-    if not (point.run.run_dir / "train" / "manifest.json").exists():
-        return
-    try:
-        stage_manifest(point, "train")
-    except PipelineError:
-        log.info("data curve: %s was trained on older data; training it again", point.run.name)
-        for stage in ("train", "eval"):
-            shutil.rmtree(point.run.run_dir / stage, ignore_errors=True)
 
 
 def run_point(point: Profile, config: Path) -> None:
@@ -187,15 +181,16 @@ def arm_at(results: dict[str, Any], method: str, k: int) -> dict[str, Any] | Non
     return None
 
 
-def eval_results(profile: Profile) -> dict[str, Any]:
-    evaluated = stage_manifest(profile, "eval")
-    return json.loads((stage_dir(profile, "eval") / evaluated.outputs.results).read_text())
+def eval_results(run: Profile, evaluated: Manifest[EvalOutputs]) -> dict[str, Any]:
+    """The results of ``run``'s eval, whose manifest was read (and checked) as ``evaluated``."""
+    return json.loads((stage_dir(run, "eval") / evaluated.outputs.results).read_text())
 
 
-def measured(run: Profile, name: str, record: TrainingData, k: int) -> dict[str, Any]:
-    """One point of the curve from a run's train manifest and its eval's EAGLE-3 arm at k."""
-    train = stage_manifest(run, "train").outputs
-    arm = arm_at(eval_results(run), "eagle3", k)
+def measured(
+    name: str, record: TrainingData, k: int, train: TrainOutputs, results: dict[str, Any]
+) -> dict[str, Any]:
+    """One point of the curve from a run's train outputs and its eval's EAGLE-3 arm at k."""
+    arm = arm_at(results, "eagle3", k)
     if arm is None:
         raise DataCurveError(f"the eval of {name} has no EAGLE-3 arm at k={k} and batch size 1")
     return {
@@ -256,7 +251,7 @@ def run(profile: Profile) -> dict[str, Any]:
     extract = read_input(profile, "data_curve", "extract")
     evaluated = read_input(profile, "data_curve", "eval")
     k = curve.num_speculative_tokens or evaluated.outputs.summary["num_speculative_tokens"]
-    results = eval_results(profile)
+    results = eval_results(profile, evaluated)
     prepared = stage_dir(profile, "extract") / extract.outputs.prepared
     todo, unreached = budgets(curve, *split_lengths(prepared), profile.train.train_data_ratio)
     folder = stage_dir(profile, "data_curve")
@@ -267,15 +262,18 @@ def run(profile: Profile) -> dict[str, Any]:
         for record in todo:
             if record.whole and own_recipe and arm_at(results, "eagle3", k):
                 # This run's own drafter: the same recipe on all of the data, measured by eval.
-                points.append(measured(profile, ".", record, k))
+                points.append(measured(".", record, k, own.outputs, results))
             else:
                 point = point_profile(profile, record, k)
                 config = prepare_point(profile, point)
-                if not finished(point):
+                if not fresh(point, "eval"):
                     log.info("data curve: training and measuring %s", point.run.name)
-                    forget_stale_training(point)
+                    if manifest_path(point, "train").exists() and not fresh(point, "train"):
+                        start_over(point)  # trained on data since rerun
                     run_point(point, config)
-                points.append(measured(point, point.run.name, record, k))
+                trained = stage_manifest(point, "train").outputs
+                measured_at = eval_results(point, stage_manifest(point, "eval"))
+                points.append(measured(point.run.name, record, k, trained, measured_at))
             bar.update(1)
     ngram = arm_at(results, "ngram", k)
     plot(points, ngram, k, folder / PLOT)

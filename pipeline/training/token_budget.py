@@ -117,18 +117,18 @@ def training_view(
     budget, else the budget's own dataset (module docstring). Returns what it trains on."""
     seq_lens, supervised = split_lengths(prepared)
     indices, record = select(seq_lens, supervised, ratio, max_train_tokens)
+    marker = view / SELECTION
+    if record.whole:  # no budget, or one the data does not reach: select kept the ratio
+        if marker.exists():  # a budget's view: not the whole data
+            shutil.rmtree(view)
+        _link_all(prepared, view)
+        return record
     # The data's own fingerprint too: a view of data extraction has since rewritten is redone.
     data = hashlib.sha256((prepared / "state.json").read_bytes() + repr(seq_lens).encode())
     wanted = json.dumps(
         {"max_train_tokens": max_train_tokens, "rows": indices, "data": data.hexdigest()},
         sort_keys=True,
     )
-    marker = view / SELECTION
-    if max_train_tokens is None or record.whole:
-        if marker.exists():  # a budget's view: not the whole data
-            shutil.rmtree(view)
-        _link_all(prepared, view)
-        return TrainingData(**{**asdict(record), "train_data_ratio": ratio})
     if marker.exists() and marker.read_text() == wanted:
         return record
     _write_budget_view(prepared, view, indices, wanted)
