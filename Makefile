@@ -1,8 +1,10 @@
 # The only orchestration layer: one target per stage; README commands are these targets.
 #   make demo                               the whole pipeline on the tiny profile (CPU, minutes)
 #   make real-demo                          the same on a real open model, SmolLM2-135M-Instruct,
-#                                           with its data curve (CPU, about an hour on 2 cores)
+#                                           with its data curve and recipe sweep (CPU, about two
+#                                           and a half hours on 2 cores)
 #   make data-curve CONFIG=...              drafters on growing token budgets, measured in vLLM
+#   make tune CONFIG=...                    training recipes, one field changed at a time, measured
 #   make test                               the default test run (CI runs exactly this)
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
 #   make hero-run RUNNER=compose CONFIG=...  the same stages in containers (compose.yaml)
@@ -47,7 +49,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo real-demo data-curve image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv demo real-demo data-curve tune image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
@@ -85,6 +87,7 @@ hero-run: $(STAMP)
 	$(MAKE) train CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) eval CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) data-curve CONFIG=$(CONFIG) ARGS='$(ARGS)'
+	$(MAKE) tune CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) card CONFIG=$(CONFIG) ARGS='$(ARGS)'
 	$(MAKE) publish CONFIG=$(CONFIG) ARGS='$(ARGS)'
 else ifeq ($(RUNNER),compose)
@@ -179,6 +182,11 @@ eval: $(STAMP)
 # train and eval do, in runs/<name>/data_curve/; without one it has nothing to do.
 data-curve: $(STAMP)
 	$(STAGE) pipeline.data_curve --config $(CONFIG) $(ARGS)
+
+# Profiles with a tune section: a drafter per changed training field (draft vocabulary, learning
+# rate, epochs) on all of the data, each measured as eval does, in runs/<name>/tune/.
+tune: $(STAMP)
+	$(STAGE) pipeline.tune --config $(CONFIG) $(ARGS)
 
 card: $(STAMP)
 	$(STAGE) model_card.card --config $(CONFIG) $(ARGS)

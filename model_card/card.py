@@ -3,8 +3,8 @@
 Run as: python -m model_card.card --config configs/tiny.yaml   (make card)
 
 Reads the manifests of `verifier`, `generate`, `licenses`, `extract`, `train` and `eval`, eval's
-results and plots, the license check's report, and `data_curve`'s points and plot when the
-profile has a data curve; writes ``<run>/card/README.md`` with the
+results and plots, the license check's report, and the points and plots of `data_curve` and
+`tune` when the profile asks for them; writes ``<run>/card/README.md`` with the
 plots beside it, and ``manifest.json``.
 
 Invariants:
@@ -36,7 +36,13 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from pipeline.core.atomic_files import atomic_write_bytes
 from pipeline.core.config import Profile
-from pipeline.core.contracts import CONTRACTS, CardOutputs, DataCurveOutputs, Manifest
+from pipeline.core.contracts import (
+    CONTRACTS,
+    CardOutputs,
+    DataCurveOutputs,
+    Manifest,
+    TuneOutputs,
+)
 from pipeline.core.drafter import drafter_digest
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import (
@@ -177,6 +183,7 @@ def render_body(
     plots: list[dict[str, Any]],
     card_data: ModelCardData,
     curve: dict[str, Any] | None = None,
+    tune: dict[str, Any] | None = None,
 ) -> str:
     """The card's text: ``drafter_card.md.j2`` over the input manifests (``m``), the license
     report, eval's summary, table and plots, and the metadata block."""
@@ -212,6 +219,7 @@ def render_body(
         hardware=train.hardware,
         wall={s: round(m[s].wall_time_s) for s in ("generate", "extract", "train", "eval")},
         curve=curve,
+        tune=tune,
     )
 
 
@@ -231,6 +239,14 @@ def data_curve_view(outputs: DataCurveOutputs) -> dict[str, Any]:
             "not_reached": outputs.not_reached, "ngram": outputs.ngram}  # fmt: skip
 
 
+def tune_view(outputs: TuneOutputs) -> dict[str, Any]:
+    """This run's recipe first, then each variant with the field it changed."""
+    rows = [{**outputs.base, "label": "this recipe", "delta": {}}] + [
+        {**v, "label": f"`{v['field']}` {v['value']}"} for v in outputs.variants
+    ]
+    return {"plot": outputs.plot, "k": outputs.k, "rows": rows, "recipe": outputs.recipe}
+
+
 def run(profile: Profile) -> dict[str, Any]:
     started = now()
     folder = stage_dir(profile, "card")
@@ -240,8 +256,9 @@ def run(profile: Profile) -> dict[str, Any]:
     contract = CONTRACTS["card"]
     m = {stage: read_input(profile, "card", stage) for stage in contract.inputs
          if stage not in contract.optional}  # fmt: skip
-    if profile.data_curve:  # the profile asks for the curve: the card must show it
-        m["data_curve"] = read_input(profile, "card", "data_curve")
+    for measurement in contract.optional:  # the profile asks for it: the card must show it
+        if getattr(profile, measurement):
+            m[measurement] = read_input(profile, "card", measurement)
     licenses = passed_license_report(profile, "card")
     results = json.loads((stage_dir(profile, "eval") / m["eval"].outputs.results).read_text())
     evaluated = m["eval"].outputs.drafter_sha256
@@ -260,11 +277,13 @@ def run(profile: Profile) -> dict[str, Any]:
     for plot in plots:
         shutil.copy2(stage_dir(profile, "eval") / plot["file"], folder / plot["file"])
     curve = data_curve_view(m["data_curve"].outputs) if "data_curve" in m else None
-    if curve:
-        shutil.copy2(stage_dir(profile, "data_curve") / curve["plot"], folder / curve["plot"])
+    tune = tune_view(m["tune"].outputs) if "tune" in m else None
+    for stage, view in (("data_curve", curve), ("tune", tune)):
+        if view:
+            shutil.copy2(stage_dir(profile, stage) / view["plot"], folder / view["plot"])
     summary = results["summary"]
     card_data = card_metadata(profile, licenses, summary, f"{profile.run.name}-eagle3")
-    body = render_body(profile, m, licenses, summary, plots, card_data, curve)
+    body = render_body(profile, m, licenses, summary, plots, card_data, curve, tune)
     atomic_write_bytes(folder / "README.md", body.encode())
     reloaded = ModelCard.load(folder / "README.md")
     if reloaded.data.to_dict() != card_data.to_dict():
@@ -279,7 +298,7 @@ def run(profile: Profile) -> dict[str, Any]:
             repo_id=drafter_repo_id(profile),
             license=licenses["drafter_license"],
             drafter_sha256=evaluated,
-            plots=[p["file"] for p in plots] + ([curve["plot"]] if curve else []),
+            plots=[p["file"] for p in plots] + [v["plot"] for v in (curve, tune) if v],
         ),
         data_revision=m["generate"].data_revision,
     )

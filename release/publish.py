@@ -50,7 +50,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from pipeline.core.atomic_files import atomic_write_json, sha256_file
 from pipeline.core.config import Profile
-from pipeline.core.contracts import STAGES, PublishOutputs
+from pipeline.core.contracts import CONTRACTS, MEASUREMENTS, STAGES, PublishOutputs
 from pipeline.core.drafter import DRAFTER_FILES, drafter_digest
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import (
@@ -67,9 +67,9 @@ from pipeline.core.model_names import drafter_repo_id, verifier_path
 from pipeline.core.portable import REPO_ROOT, portable, portable_text
 
 RELEASE = "release"
-# Stages whose manifests ship in the release, as manifests/<stage>.json (the data curve's when
-# the profile ran one: the card shows it).
-SHIPPED_MANIFESTS = (*(s for s in STAGES if s != "publish"), "data_curve")
+# Stages whose manifests ship in the release, as manifests/<stage>.json, with those of the
+# measurements the profile asks for (the card shows them).
+SHIPPED_MANIFESTS = tuple(s for s in STAGES if s != "publish")
 # Files a Hub repository starts with that the release does not own.
 HUB_OWNED = {".gitattributes"}
 # The stage that wrote each released file: what to rerun when one names a machine path.
@@ -191,7 +191,7 @@ def assemble(profile: Profile, inputs: dict[str, Any]) -> Path:
         "eval/results.json": stage_dir(profile, "eval") / "results.json",
         "data_licenses.json": stage_dir(profile, "licenses") / "report.json",
     }
-    for stage in SHIPPED_MANIFESTS:
+    for stage in (*SHIPPED_MANIFESTS, *(m for m in MEASUREMENTS if getattr(profile, m))):
         records[f"manifests/{stage}.json"] = stage_dir(profile, stage) / "manifest.json"
     for name, source in records.items():
         with contextlib.suppress(FileNotFoundError):  # a stage a profile did not run
@@ -224,7 +224,7 @@ def published_text(path: Path) -> str:
 def written_by(name: str) -> str:
     """The make target that writes a released file: what to rerun when it names a machine path."""
     if name.startswith("manifests/"):
-        return Path(name).stem  # each stage's folder is named as its target
+        return CONTRACTS[Path(name).stem].target
     if name == "data_licenses.json" or name == "LICENSE":
         return "licenses"
     return "eval" if name.startswith("eval/") or name.endswith(".png") else "publish"

@@ -25,6 +25,7 @@ STAGE_MODULES = {
     "pipeline.train": "train",
     "eval": "eval",
     "pipeline.data_curve": "data-curve",
+    "pipeline.tune": "tune",
     "release.licenses": "licenses",
     "model_card.card": "card",
     "release.publish": "publish",

@@ -14,7 +14,8 @@ from datasets import Dataset
 from safetensors.torch import save_file
 
 from pipeline.core.config import ConfigError, Profile, load_profile
-from pipeline.data_curve import budgets, point_profile, prepare_point
+from pipeline.data_curve import budget_profile, budgets
+from pipeline.training.point_runs import prepare_point
 from pipeline.training.token_budget import (
     SELECTION,
     TokenBudgetError,
@@ -112,16 +113,16 @@ def test_a_point_run_is_the_profile_on_a_budget_and_reloads_from_its_file(tmp_pa
     for stage in ("verifier", "generate", "extract"):
         (profile.run.run_dir / stage).mkdir(parents=True)
     record = select(LENGTHS, LENGTHS, 0.8, 100)[1]
-    point = point_profile(profile, record, 3)
+    point = budget_profile(profile, record, 3)
     assert point.run.run_dir == profile.run.run_dir / "data_curve" / "tokens-100"
-    assert point.train.max_train_tokens == 100 and point.data_curve is None
+    assert point.train.max_train_tokens == 100 and point.data_curve is None and point.tune is None
     assert point.eval.num_speculative_tokens == [3] and point.eval.concurrency == [1]
     assert point.train.epochs == profile.train.epochs  # only the data differs
     config = prepare_point(profile, point)
     assert Profile.model_validate(yaml.safe_load(config.read_text())) == point
     assert (point.run.run_dir / "extract").resolve() == (profile.run.run_dir / "extract")
     (point.run.run_dir / "train").mkdir()
-    prepare_point(profile, point_profile(profile, record, 1))  # another k: started over
+    prepare_point(profile, budget_profile(profile, record, 1))  # another k: started over
     assert not (point.run.run_dir / "train").exists()
 
 

@@ -121,6 +121,17 @@ def save_tensors_atomically(tensors: dict, path: Path, reserve_bytes: int = 0) -
     return Path(path).stat().st_size
 
 
+def save_figure_atomically(fig: Any, path: Path) -> None:
+    """Lay out a matplotlib figure, write it to ``path`` as PNG atomically, and close it."""
+    import matplotlib.pyplot as plt  # here: only the stages that plot need matplotlib
+
+    fig.tight_layout()
+    try:
+        write_atomically(path, 0, 0, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
+
+
 def remove_temporaries(folder: Path) -> int:
     """Delete the ``.*.tmp`` files an interrupted writer left in ``folder``; return the count."""
     removed = 0

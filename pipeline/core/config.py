@@ -560,6 +560,39 @@ class DataCurveConfig(StrictModel):
         return self
 
 
+class TuneConfig(StrictModel):
+    """Which recipe: drafters trained on all of extract's training split, each with one field of
+    ``train`` changed from the profile's, measured in vLLM like the data curve's points against
+    this run's own drafter (stage `tune`)."""
+
+    # Values to try instead of the profile's, one field changed at a time.
+    draft_vocab_size: list[PositiveInt] = Field(default_factory=list)
+    learning_rate: list[Annotated[float, Field(gt=0)]] = Field(default_factory=list)
+    epochs: list[PositiveInt] = Field(default_factory=list)
+    # Draft tokens per step of every variant (None: the k of eval's headline).
+    num_speculative_tokens: PositiveInt | None = None
+
+    def variants(self) -> list[tuple[str, int | float]]:
+        """(field, value) of each variant, in the order they run."""
+        return [(field, value) for field in TUNED_FIELDS for value in getattr(self, field)]
+
+    @model_validator(mode="after")
+    def _some(self) -> TuneConfig:
+        if not self.variants():
+            raise ValueError(
+                "tune names no variant: list values for tune.draft_vocab_size, "
+                "tune.learning_rate or tune.epochs (or drop the tune section)"
+            )
+        for field in TUNED_FIELDS:
+            values = getattr(self, field)
+            if len(set(values)) != len(values):
+                raise ValueError(f"tune.{field} lists a value twice: {values}")
+        return self
+
+
+TUNED_FIELDS = ("draft_vocab_size", "learning_rate", "epochs")
+
+
 class Profile(StrictModel):
     run: RunConfig
     verifier: VerifierConfig
@@ -573,6 +606,8 @@ class Profile(StrictModel):
     plan: PlanConfig
     # Drafters on growing token budgets (None: `make data-curve` has nothing to do).
     data_curve: DataCurveConfig | None = None
+    # Variants of the training recipe (None: `make tune` has nothing to do).
+    tune: TuneConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Profile:
@@ -586,6 +621,8 @@ class Profile(StrictModel):
                 "train.max_train_tokens (and data_curve) trains on a budget of stored hidden "
                 "states; with extract.mode: online none are stored: use extract.mode: offline"
             )
+        if self.tune:
+            self._check_tune(self.tune)
         e = self.eval
         if "eagle3" not in e.methods and not e.reference_drafters and not self.server.base_url:
             raise ValueError(
@@ -593,6 +630,32 @@ class Profile(StrictModel):
                 "eval.reference_drafters, or set server.base_url (a deployment)"
             )
         return self
+
+    def _check_tune(self, tune: TuneConfig) -> None:
+        """The sweep compares variants with this run's own drafter as eval measured it."""
+        refusals = {
+            "tune trains every variant on the stored hidden states; with extract.mode: online "
+            "none are stored: use extract.mode: offline": self.extract.mode == "online",
+            "tune compares variants with this run's drafter on all of the data: drop "
+            "train.max_train_tokens (the data curve measures budgets)": bool(
+                self.train.max_train_tokens
+            ),
+            "tune.draft_vocab_size: a finetuned drafter keeps its published draft vocabulary "
+            "(train.from_pretrained); tune its learning rate or epochs": bool(
+                tune.draft_vocab_size and self.train.from_pretrained
+            ),
+            "tune.epochs: train.max_steps stops every variant at the same step; drop it to "
+            "compare epochs": bool(tune.epochs and self.train.max_steps),
+        }
+        for message, refused in refusals.items():
+            if refused:
+                raise ValueError(message)
+        for field, value in tune.variants():
+            if value == getattr(self.train, field):
+                raise ValueError(
+                    f"tune.{field} lists {value}, the profile's own train.{field}: this run's "
+                    "drafter is that variant; list only other values"
+                )
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

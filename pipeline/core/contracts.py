@@ -150,6 +150,18 @@ class DataCurveOutputs(Outputs):
     ngram: dict[str, Any] | None  # vLLM's ngram drafter at k in eval: the line to clear
 
 
+class TuneOutputs(Outputs):
+    results: str  # this run's drafter and every variant: recipe, validation, served acceptance
+    plot: str
+    k: int
+    recipe: dict[str, Any]  # the profile's value of each field the variants change
+    # This run's own drafter: run, mean acceptance length, speedup, acceptance rate, validation
+    # accuracy at position 1.
+    base: dict[str, Any]
+    variants: list[dict[str, Any]]  # the same, with the field changed and its value
+    ngram: dict[str, Any] | None
+
+
 class BenchOutputs(Outputs):
     results: str
     table: str
@@ -198,7 +210,7 @@ class Contract:
 
 
 # In pipeline order; the folder of each is <run>/<name>. `bench` measures and feeds nothing;
-# `data_curve` runs only for a profile that asks for it.
+# `data_curve` and `tune` run only for a profile that asks for them.
 CONTRACTS: dict[str, Contract] = {
     "verifier": Contract(VerifierOutputs, (), "verifier"),
     "generate": Contract(GenerateOutputs, ("verifier",), "generate"),
@@ -211,15 +223,20 @@ CONTRACTS: dict[str, Contract] = {
     "data_curve": Contract(
         DataCurveOutputs, ("verifier", "extract", "train", "eval"), "data-curve"
     ),
+    # Variants of the training recipe on all of the data, each measured the same way (profiles
+    # with a tune section); the card shows what moved the number.
+    "tune": Contract(TuneOutputs, ("verifier", "extract", "train", "eval"), "tune"),
     "card": Contract(
         CardOutputs,
-        ("verifier", "generate", "licenses", "extract", "train", "eval", "data_curve"),
+        ("verifier", "generate", "licenses", "extract", "train", "eval", "data_curve", "tune"),
         "card",
-        ("data_curve",),
+        ("data_curve", "tune"),
     ),
     "publish": Contract(
         PublishOutputs, ("generate", "licenses", "train", "eval", "card"), "publish"
     ),
     "bench": Contract(BenchOutputs, ("verifier",), "bench"),
 }
-STAGES = tuple(name for name in CONTRACTS if name not in ("bench", "data_curve"))
+# The stages every run has; the measurements a profile asks for come after.
+MEASUREMENTS = ("data_curve", "tune")
+STAGES = tuple(name for name in CONTRACTS if name not in ("bench", *MEASUREMENTS))
