@@ -68,8 +68,10 @@ def test_the_built_verifier_is_not_degenerate(tiny_run):
 def test_generate_regenerated_every_prompt(tiny_run):
     profile = tiny_run
     c = read_manifest(profile, "generate")["counts"]
-    # sampled at temperature 1.0, the miniature sometimes reasons up to max_tokens (counted)
-    assert c["input"] == 320 and c["failed"] == 0 and c["succeeded"] >= 280, c
+    # Sampled at temperature 1.0, the miniature sometimes reasons up to max_tokens (counted).
+    # How often depends on its weights, which depend on the CPU's kernels (torch's AVX2 and
+    # AVX-512 sums differ): 299 and 254 of 320 kept on one machine, 210 on an AVX-512 one.
+    assert c["input"] == 320 and c["failed"] == 0 and c["succeeded"] >= 192, c
     assert set(c["skip_reasons"]) <= {"reasoning_only_response"}, c
     lines = (profile.run.run_dir / "generate" / "responses.jsonl").read_text().splitlines()
     ids = [json.loads(line)["id"] for line in lines]

@@ -19,8 +19,9 @@ With ``verifier.model`` set, nothing is built: the manifest records the model id
 revision, and the dimensions and capture layers are checked against its config when it is a
 local folder.
 
-Invariants: the same profile and seed give the same tokenizer and the same weights; the
-manifest records the chat template's sha256, which later stages compare against.
+Invariants: the same profile and seed give the same tokenizer, and the same weights on CPUs of
+one instruction set (see ``tiny_kimi``); the manifest records the chat template's sha256, which
+later stages compare against.
 """
 
 from __future__ import annotations

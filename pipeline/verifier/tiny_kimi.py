@@ -13,9 +13,11 @@ Kimi-K2.5's own values are kept where a kernel or a code path depends on them: M
 query LoRA, sigmoid ``noaux_tc`` routing with a shared expert and a dense first layer. Only the
 sizes shrink.
 
-Invariants: the same profile, seed and corpus give the same weights; the folder is what vLLM
-reads and, through its text view (``pipeline.training.text_view``), what transformers reads, so
-vLLM can be checked against transformers on it.
+Invariants: the same profile, seed and corpus give the same weights on CPUs of one instruction
+set (torch's AVX2 and AVX-512 kernels sum floats differently, so the weights differ between
+them); the folder is what vLLM reads and, through its text view
+(``pipeline.training.text_view``), what transformers reads, so vLLM can be checked against
+transformers on it.
 """
 
 from __future__ import annotations
