@@ -35,17 +35,17 @@ from typing import Any
 from pipeline.core.atomic_files import atomic_write_json, save_figure_atomically
 from pipeline.core.config import DataCurveConfig, Profile
 from pipeline.core.contracts import DataCurveOutputs, TrainOutputs
-from pipeline.core.manifest import all_succeeded, now, read_input, stage_dir, write_manifest
+from pipeline.core.manifest import all_succeeded, now, stage_dir, write_manifest
 from pipeline.core.progress import progress
 from pipeline.training.point_runs import (
     arm_at,
-    eval_results,
     measure_point,
     measured,
     measured_point,
     own_recipe,
     point_profile,
     prepare_point,
+    read_sweep_base,
 )
 from pipeline.training.token_budget import TrainingData, select, split_lengths
 
@@ -127,14 +127,10 @@ def run(profile: Profile) -> dict[str, Any]:
     if curve is None:  # hero-run asks every profile; this one wants no curve
         log.info("data curve: the profile has no data_curve section, nothing to measure")
         return {"stage": "data_curve", "counts": {"skipped": "no data_curve section"}}
-    read_input(profile, "data_curve", "verifier")
+    this_run = read_sweep_base(profile, "data_curve", curve.num_speculative_tokens)
+    extract, own, k, results = this_run.extract, this_run.train, this_run.k, this_run.results
     # The whole data's point is this run's drafter when it was trained on this recipe.
-    own = read_input(profile, "data_curve", "train")
     whole_is_own = own_recipe(profile, own)
-    extract = read_input(profile, "data_curve", "extract")
-    evaluated = read_input(profile, "data_curve", "eval")
-    k = curve.num_speculative_tokens or evaluated.outputs.summary["num_speculative_tokens"]
-    results = eval_results(profile, evaluated)
     prepared = stage_dir(profile, "extract") / extract.outputs.prepared
     todo, unreached = budgets(curve, *split_lengths(prepared), profile.train.train_data_ratio)
     folder = stage_dir(profile, "data_curve")

@@ -32,17 +32,17 @@ from pipeline.core.atomic_files import atomic_write_json, save_figure_atomically
 from pipeline.core.config import Profile
 from pipeline.core.contracts import TuneOutputs
 from pipeline.core.errors import PipelineError
-from pipeline.core.manifest import all_succeeded, now, read_input, stage_dir, write_manifest
+from pipeline.core.manifest import all_succeeded, now, stage_dir, write_manifest
 from pipeline.core.progress import progress
 from pipeline.training.point_runs import (
     arm_at,
-    eval_results,
     measure_point,
     measured,
     measured_point,
     own_recipe,
     point_profile,
     prepare_point,
+    read_sweep_base,
 )
 
 log = logging.getLogger(__name__)
@@ -114,17 +114,13 @@ def run(profile: Profile) -> dict[str, Any]:
             f"tune trains and serves its own variants, not the deployment at "
             f"{profile.server.base_url}: run `make tune` without BASE_URL or server.base_url"
         )
-    read_input(profile, "tune", "verifier")
-    extract = read_input(profile, "tune", "extract")
-    own = read_input(profile, "tune", "train")
-    evaluated = read_input(profile, "tune", "eval")
+    this_run = read_sweep_base(profile, "tune", tune.num_speculative_tokens)
+    own, k, results = this_run.train, this_run.k, this_run.results
     if not own_recipe(profile, own):
         raise TuneError(
             "this run's drafter, the base every variant is compared with, was trained with "
             "another train section than the profile's: rerun `make train` and `make eval`"
         )
-    k = tune.num_speculative_tokens or evaluated.outputs.summary["num_speculative_tokens"]
-    results = eval_results(profile, evaluated)
     if arm_at(results, "eagle3", k) is None:
         raise TuneError(
             f"eval measured no EAGLE-3 arm of this run's drafter at k={k} and batch size 1: add "
@@ -176,7 +172,7 @@ def run(profile: Profile) -> dict[str, Any]:
             ],
             ngram=ngram,
         ),
-        data_revision=extract.data_revision,
+        data_revision=this_run.extract.data_revision,
     )
 
 

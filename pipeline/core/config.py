@@ -616,10 +616,12 @@ class Profile(StrictModel):
                 f"extract.max_seq_len={self.extract.max_seq_len} exceeds "
                 f"server.max_model_len={self.server.max_model_len}"
             )
-        if (self.train.max_train_tokens or self.data_curve) and self.extract.mode == "online":
+        stored = {"train.max_train_tokens": self.train.max_train_tokens,
+                  "data_curve": self.data_curve, "tune": self.tune}  # fmt: skip
+        if self.extract.mode == "online" and (needs := [k for k, v in stored.items() if v]):
             raise ValueError(
-                "train.max_train_tokens (and data_curve) trains on a budget of stored hidden "
-                "states; with extract.mode: online none are stored: use extract.mode: offline"
+                f"{', '.join(needs)}: trained on stored hidden states; with extract.mode: online "
+                "none are stored: use extract.mode: offline"
             )
         if self.tune:
             self._check_tune(self.tune)
@@ -634,8 +636,6 @@ class Profile(StrictModel):
     def _check_tune(self, tune: TuneConfig) -> None:
         """The sweep compares variants with this run's own drafter as eval measured it."""
         refusals = {
-            "tune trains every variant on the stored hidden states; with extract.mode: online "
-            "none are stored: use extract.mode: offline": self.extract.mode == "online",
             "tune compares variants with this run's drafter on all of the data: drop "
             "train.max_train_tokens (the data curve measures budgets)": bool(
                 self.train.max_train_tokens

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,9 @@ from pydantic import ValidationError
 
 from pipeline.core.atomic_files import atomic_write_bytes
 from pipeline.core.config import Profile
-from pipeline.core.contracts import EvalOutputs, Manifest, TrainOutputs
+from pipeline.core.contracts import EvalOutputs, ExtractOutputs, Manifest, TrainOutputs
 from pipeline.core.errors import PipelineError
-from pipeline.core.manifest import manifest_path, stage_dir, stage_manifest
+from pipeline.core.manifest import manifest_path, read_input, stage_dir, stage_manifest
 from pipeline.serving.logged_process import run_logged
 
 # The stages a point run reads from this run, linked into its folder.
@@ -45,6 +46,28 @@ SHARED_STAGES = ("verifier", "generate", "extract")
 
 class PointRunError(PipelineError):
     """A point could not be trained or measured."""
+
+
+@dataclass(frozen=True)
+class SweepBase:
+    """What a sweep of points reads from this run: the extraction every point trains on, this
+    run's drafter, the k every point is measured at, and eval's results (this run's arms and
+    ngram's line)."""
+
+    extract: Manifest[ExtractOutputs]
+    train: Manifest[TrainOutputs]
+    k: int
+    results: dict[str, Any]
+
+
+def read_sweep_base(profile: Profile, stage: str, k: int | None) -> SweepBase:
+    """``stage``'s inputs from this run, each fresh; ``k`` None takes eval's headline k."""
+    read_input(profile, stage, "verifier")
+    extract = read_input(profile, stage, "extract")
+    own = read_input(profile, stage, "train")
+    evaluated = read_input(profile, stage, "eval")
+    k = k or evaluated.outputs.summary["num_speculative_tokens"]
+    return SweepBase(extract, own, k, eval_results(profile, evaluated))
 
 
 def point_profile(
