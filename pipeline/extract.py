@@ -37,7 +37,10 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,10 +51,18 @@ from pipeline.core.atomic_files import atomic_write_bytes, free_bytes, remove_te
 from pipeline.core.config import Profile
 from pipeline.core.contracts import ExtractOutputs
 from pipeline.core.errors import PipelineError
-from pipeline.core.manifest import now, read_input, stage_dir, write_manifest
+from pipeline.core.manifest import (
+    finished_shards,
+    now,
+    read_input,
+    shard_record,
+    stage_dir,
+    write_manifest,
+)
 from pipeline.core.progress import watch
 from pipeline.core.responses import read_responses
 from pipeline.core.server_errors import ServerRejectedError
+from pipeline.core.shards import ShardError, sum_counts
 from pipeline.serving.extraction import (
     bytes_per_token,
     captured_layer_ids,
@@ -65,6 +76,7 @@ from pipeline.serving.vllm_api import Endpoint
 from pipeline.serving.vllm_server import vllm_server
 from pipeline.training.text_view import text_view
 
+log = logging.getLogger(__name__)
 SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8}
 
 
@@ -314,6 +326,7 @@ def run(profile: Profile) -> dict[str, Any]:
         bytes_per_token=bytes_per_token(profile),
         **{**stats, **written},
         expected_hidden_state_bytes=expected,
+        shard=shard_record(profile, verifier),
     )
     return write_manifest(
         profile,
@@ -325,10 +338,97 @@ def run(profile: Profile) -> dict[str, Any]:
     )
 
 
+def link_shards(parts: list[Path], prepared: Path) -> None:
+    """One ``prepared`` folder over the shards' ``parts``: their datasets concatenated in order,
+    token frequencies summed, and each shard's hidden states linked (relative symlinks, never
+    copied) under the row numbers of the whole: ``hs_<offset + i>`` -> the shard's ``hs_<i>``.
+    Built beside ``prepared`` and renamed over it, so a crash leaves the old one or the new."""
+    import datasets
+    from speculators.train.vocab_mapping import combine_token_frequency_distributions
+
+    stored = prepared / "hidden_states"
+    if stored.is_dir() and any(not p.is_symlink() for p in stored.iterdir()):
+        raise ShardError(
+            f"extract --merge: {stored} holds an unsharded extraction's hidden states, which a "
+            "merge would replace; move them away (or delete them) first"
+        )
+    staging = prepared.with_name(prepared.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    tables = [datasets.load_from_disk(str(part)) for part in parts]
+    datasets.concatenate_datasets(tables).save_to_disk(str(staging))
+    combine_token_frequency_distributions(
+        [part / "token_freq.pt" for part in parts], staging / "token_freq.pt"
+    )
+    links = staging / "hidden_states"
+    links.mkdir()
+    offset = 0
+    for part, table in zip(parts, tables, strict=True):
+        for i in range(len(table)):
+            shard_file = part / "hidden_states" / f"hs_{i}.safetensors"
+            if shard_file.exists():  # online mode stores none
+                target = os.path.relpath(shard_file, links)
+                (links / f"hs_{offset + i}.safetensors").symlink_to(target)
+        offset += len(table)
+    shutil.rmtree(prepared, ignore_errors=True)
+    staging.rename(prepared)
+
+
+def merge(profile: Profile) -> dict[str, Any]:
+    """``--merge``: the finished shards (run.shard=k/S) as one extract folder that train reads
+    as it reads an unsharded one, without copying a hidden state; refused unless every shard is
+    there, fresh, made alike, and extracted from the generate shards the merged generate was
+    made of."""
+    started = now()
+    verifier = read_input(profile, "extract", "verifier").outputs
+    generate = read_input(profile, "extract", "generate")
+    if not generate.outputs.shards:
+        raise ShardError(
+            "extract --merge: generate was not merged from shards; run `generate --merge` "
+            "first (the same shards extract read)"
+        )
+    shards = finished_shards(profile, "extract", verifier)
+    made_from = generate.outputs.shards["manifests"]
+    for shard, manifest in shards.manifests.items():
+        if manifest.inputs["generate"].sha256 != made_from.get(shard.name):
+            raise ShardError(
+                f"extract: shard {shard} was made from a generate shard {shard} other than the "
+                "one the merged generate holds (one of them was rerun since); rerun extract "
+                f"shard {shard}, or merge generate again"
+            )
+    folder = stage_dir(profile, "extract")
+    parts = [
+        shards.folder(profile, "extract", s) / m.outputs.prepared
+        for s, m in shards.manifests.items()
+    ]
+    link_shards(parts, folder / "prepared")
+    first = next(iter(shards.manifests.values())).outputs
+    summed = ("rows", "tokens", "loss_tokens", "truncated", "expected_hidden_state_bytes")
+    stats = {k: sum(getattr(m.outputs, k) for m in shards.manifests.values()) for k in summed}
+    written = hidden_state_bytes(folder / "prepared" / "hidden_states")  # read through the links
+    if first.mode == "offline" and written["hidden_state_bytes"] != stats[summed[-1]]:
+        raise ShardError(
+            f"extract --merge: the shards' hidden states hold {written['hidden_state_bytes']} "
+            f"bytes, their manifests {stats[summed[-1]]}; a shard changed after it finished: "
+            "rerun it"
+        )
+    outputs = first.model_copy(
+        update={**stats, **written, "shard": None, "shards": shards.record(profile, "extract")}
+    )
+    log.info("extract: merged %d shards, %d rows", shards.count, stats["rows"])
+    return write_manifest(
+        profile,
+        "extract",
+        started_at=started,
+        counts=sum_counts([m.counts for m in shards.manifests.values()]),
+        outputs=outputs,
+        data_revision=generate.data_revision,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     from pipeline.core.cli import run_stage
 
-    run_stage("extract", run, argv)
+    run_stage("extract", run, argv, merge=merge)
 
 
 if __name__ == "__main__":

@@ -56,9 +56,11 @@ from pipeline.core.contracts import GenerateOutputs
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import (
     StageInputError,
+    finished_shards,
     now,
     read_input,
     read_manifest,
+    shard_record,
     stage_dir,
     write_manifest,
 )
@@ -77,6 +79,7 @@ from pipeline.core.server_errors import (
     context_length_exceeded,
     server_error,
 )
+from pipeline.core.shards import Shard, ShardError, check_ids, sum_counts
 from pipeline.serving.chat_client import REQUEST_ERRORS, ChatClient
 from pipeline.serving.self_written_prompts import (
     UserTurnFrame,
@@ -335,6 +338,15 @@ def load_input(profile: Profile) -> PromptSet:
     return prompts
 
 
+def in_shard(prompts: PromptSet, shard: Shard | None) -> PromptSet:
+    """The prompts of ``shard`` (all of them unsharded); malformed rows, which have no id to
+    hash, are shard 0's, so the merged counts hold each once."""
+    if shard is None:
+        return prompts
+    rows = [r for r in prompts.rows if shard.holds(r.id)]
+    return replace(prompts, rows=rows, rejected=prompts.rejected if shard.index == 0 else [])
+
+
 def write_skipped(path: Path, prompts: PromptSet, records: list[ResponseRecord]) -> None:
     """Every skipped row, its place in the input and why, one JSON line each."""
     where = {r.id: r.where for r in prompts.rows}
@@ -421,7 +433,7 @@ def run(profile: Profile) -> dict[str, Any]:
     verifier = read_input(profile, "generate", "verifier").outputs
     folder = stage_dir(profile, "generate")
     folder.mkdir(parents=True, exist_ok=True)
-    prompts = load_input(profile)
+    prompts = in_shard(load_input(profile), profile.run.shard_spec)
     out = folder / RESPONSES
     own_path, frame, own = folder / SELF_WRITTEN, None, None
     if spec := profile.data.self_written:
@@ -481,15 +493,68 @@ def run(profile: Profile) -> dict[str, Any]:
             sampling=prompts.sampling.record(),
             replicas=replicas,  # this run's share of each
             self_written=own,
+            shard=shard_record(profile, verifier),
         ),
         data_revision=data_revision(d.dataset, d.revision),
+    )
+
+
+def merged_before(profile: Profile) -> bool:
+    """Whether the finished generate in the stage folder is a merge of shards."""
+    try:
+        return read_manifest(profile, "generate")["outputs"].get("shards") is not None
+    except StageInputError:
+        return False
+
+
+def merge(profile: Profile) -> dict[str, Any]:
+    """``--merge``: the finished shards (run.shard=k/S) as one generate folder: responses and
+    skipped rows concatenated in shard order, counts summed; refused unless every shard is
+    there, fresh, made alike, and holds only its own prompt ids, each once."""
+    started = now()
+    verifier = read_input(profile, "generate", "verifier").outputs
+    shards = finished_shards(profile, "generate", verifier)
+    folder = stage_dir(profile, "generate")
+    if complete_records(folder / RESPONSES, repair=True) and not merged_before(profile):
+        raise ShardError(
+            f"generate --merge: {folder / RESPONSES} holds an unsharded run's responses, which "
+            "a merge would replace; move them away (or delete them) first"
+        )
+    responses: list[bytes] = []
+    skipped: list[bytes] = []
+    replicas: list[dict[str, Any]] = []
+    seen: dict[str, Shard] = {}
+    for shard, manifest in shards.manifests.items():
+        own = shards.folder(profile, "generate", shard)
+        lines = complete_records(own / manifest.outputs.responses)
+        check_ids("generate", shard, [json.loads(line)["id"] for line in lines], seen)
+        responses += lines
+        skipped += complete_records(own / manifest.outputs.skipped)
+        replicas += [{**r, "shard": str(shard)} for r in manifest.outputs.replicas]
+    for path, lines in ((folder / RESPONSES, responses), (folder / SKIPPED, skipped)):
+        atomic_write_bytes(path, b"".join(line + b"\n" for line in lines))
+    first = shards.manifests[Shard(0, shards.count)]
+    log.info("generate: merged %d shards, %d records", shards.count, len(responses))
+    return write_manifest(
+        profile,
+        "generate",
+        started_at=started,
+        counts=sum_counts([m.counts for m in shards.manifests.values()]),
+        outputs=GenerateOutputs(
+            responses=RESPONSES,
+            skipped=SKIPPED,
+            sampling=first.outputs.sampling,  # the whole set's: every shard samples it alike
+            replicas=replicas,
+            shards=shards.record(profile, "generate"),
+        ),
+        data_revision=first.data_revision,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     from pipeline.core.cli import run_stage
 
-    run_stage("generate", run, argv)
+    run_stage("generate", run, argv, merge=merge)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ def test_an_extends_loop_or_missing_base_is_named(tmp_path):
 
 def test_unknown_and_repeated_fields_are_named(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(Path(CONFIGS[0]).read_text() + "\nextract:\n  max_seq_len: 10\n")
+    with_extract = next(c for c in CONFIGS if "\nextract:" in c.read_text())
+    bad.write_text(with_extract.read_text() + "\nextract:\n  max_seq_len: 10\n")
     with pytest.raises(ConfigError, match="'extract' is given twice"):
         load_profile(bad)
     with pytest.raises(ConfigError, match=r"generate\.concurency: Extra inputs"):

@@ -163,3 +163,45 @@ def test_the_step_total_counts_each_epoch_s_own_batches():
     loader.batch_sampler.set_epoch(2)
     assert batches_per_epoch(loader, 3) == [82, 79, 76]
     assert loader.batch_sampler.epoch == 2  # left as it was found
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_training_on_two_nodes_of_one_rank_over_loopback(tiny_run, tmp_path):
+    """speculators' training across two "nodes" (two train stages, node ranks 0 and 1, one CPU
+    rank each; the fabric is loopback): the global rank shards the data, rank 0 alone saves, in
+    the run folder both nodes share; node 0 writes the manifest."""
+    import subprocess
+
+    from pipeline.serving.vllm_api import free_port
+    from tests.listener_guard import ListenerGuard
+
+    overrides = [
+        f"run.output_dir={tmp_path}", *TEST_OVERRIDES, "train.epochs=1",
+        "train.nodes.count=2", "train.nodes.store_address=127.0.0.1",
+        f"train.nodes.store_port={free_port()}", "train.nodes.interface=lo",
+    ]  # fmt: skip
+    profile = load_profile(REPO / "configs/tiny.yaml", [*overrides, "train.nodes.rank=0"])
+    seed_run_dir(tiny_run, profile, ("verifier", "generate", "extract"))
+    env = stage_env({"TMPDIR": str(tmp_path)})
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    nodes = [
+        subprocess.Popen(
+            stage_command("pipeline.train", *overrides, f"train.nodes.rank={rank}"),
+            cwd=REPO,
+            env=env,
+            **pipes,
+        )
+        for rank in (1, 0)  # node 1 first: it waits for node 0's store
+    ]
+    with ListenerGuard(lambda: [p.pid for p in nodes]) as guard:
+        outs = [p.communicate(timeout=900)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    guard.check("training on two nodes")
+    out = read_manifest(profile, "train")["outputs"]
+    assert out["world_size"] == 2 and out["rendezvous"]["nodes"] == 2
+    one_node = read_manifest(tiny_run, "train")["outputs"]
+    epochs = tiny_run.train.epochs
+    # Each rank trains on half of the rows: about half the steps of one rank, per epoch.
+    assert out["global_steps"] == pytest.approx(one_node["global_steps"] / epochs / 2, rel=0.1)
+    assert (tmp_path / "tiny/train/node1/train.log").is_file()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.core.config import Profile, load_profile
+from pipeline.core.errors import PipelineError
 from pipeline.core.server_errors import server_error
 
 
@@ -83,5 +84,26 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def run_stage(stage: str, fn: Callable[[Profile], dict[str, Any]], argv: list[str] | None) -> None:
-    report(lambda: fn(parse(stage, argv)[0]))
+def run_stage(
+    stage: str,
+    fn: Callable[[Profile], dict[str, Any]],
+    argv: list[str] | None,
+    merge: Callable[[Profile], dict[str, Any]] | None = None,
+) -> None:
+    """Run ``fn``; a sharded stage (``merge`` given) also takes ``--merge``: put the finished
+    shards of ``run.shard=k/S`` runs together instead (pipeline.core.shards)."""
+    parser = stage_parser(stage)
+    if merge:
+        parser.add_argument("--merge", action="store_true", help="merge the finished shards")
+    args = parser.parse_args(argv)
+
+    def body() -> dict[str, Any]:
+        profile = load_profile(args.config, args.overrides)
+        if profile.run.shard and (not merge or args.merge):
+            raise PipelineError(
+                f"run.shard={profile.run.shard}: only generate and extract run by shard, and "
+                "a merge reads every shard; drop run.shard for this command"
+            )
+        return (merge if merge and args.merge else fn)(profile)
+
+    report(body)

@@ -18,9 +18,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.core.errors import PipelineError
+from pipeline.core.shards import Shard
 
 PositiveInt = Annotated[int, Field(gt=0)]
 HUB_REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"  # "<namespace>/<name>"
@@ -35,10 +44,24 @@ class RunConfig(StrictModel):
     # The run folder is output_dir/name; each stage writes only its own subfolder.
     output_dir: Path
     seed: int = 0
+    # "k/S": this node runs shard k of S of generate or extract (pipeline.core.shards); set by
+    # the launcher (Ray, SkyPilot, Slurm), never in a profile file.
+    shard: str | None = None
+
+    @field_validator("shard")
+    @classmethod
+    def _check_shard(cls, value: str | None) -> str | None:
+        if value is not None:
+            Shard.parse(value)
+        return value
 
     @property
     def run_dir(self) -> Path:
         return self.output_dir / self.name
+
+    @property
+    def shard_spec(self) -> Shard | None:
+        return Shard.parse(self.shard) if self.shard else None
 
 
 class TinyVerifierBuild(StrictModel):
@@ -492,6 +515,28 @@ class MachineProfile(StrictModel):
     hourly_usd: float | None = Field(default=None, ge=0)
 
 
+HiddenStatePlacement = Literal["training_node", "shared_filesystem", "node_local"]
+
+
+class ClusterPlan(StrictModel):
+    """Several nodes (README, Scaling out): generate and extract run by shard on every node;
+    the planner compares where the hidden states live and whether training spans the nodes."""
+
+    nodes: list[PositiveInt] = Field(min_length=1)  # the node counts to compare, e.g. [1, 4]
+    machine: str | None = None  # the plan.machines entry each node is; None: the first
+    node_disk_tb: float = Field(gt=0)  # local disk per node for hidden states
+    fabric_gbps: float = Field(gt=0)  # between the nodes, per node
+    fabric_efficiency: float = Field(default=0.7, gt=0, le=1)
+    shared_filesystem_tb: float | None = Field(default=None, gt=0)  # None: there is none
+    # Where the hidden states live; auto: the fastest placement that fits and moves none over
+    # a link slower than extracting them again.
+    placement: Literal["auto"] | HiddenStatePlacement = "auto"
+    # The drafter's trained parameters and their gradient's bytes: what an all-reduce moves
+    # between nodes every step when training spans them.
+    drafter_parameters: PositiveInt
+    gradient_bytes: Literal[2, 4] = 4
+
+
 class PlanConfig(StrictModel):
     """The planner's assumptions; a pilot run's manifests replace the measurable ones."""
 
@@ -506,6 +551,23 @@ class PlanConfig(StrictModel):
     link_efficiency: float = Field(default=0.7, gt=0, le=1)
     # The first machine is the one this profile runs on; measured rates apply to it.
     machines: list[MachineProfile] = Field(min_length=1)
+    cluster: ClusterPlan | None = None
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> PlanConfig:
+        names = [m.name for m in self.machines]
+        if self.cluster and self.cluster.machine and self.cluster.machine not in names:
+            raise ValueError(
+                f"plan.cluster.machine {self.cluster.machine!r} is not in plan.machines "
+                f"({', '.join(names)})"
+            )
+        if (
+            self.cluster
+            and self.cluster.placement == "shared_filesystem"
+            and not (self.cluster.shared_filesystem_tb)
+        ):
+            raise ValueError("plan.cluster.placement shared_filesystem: set shared_filesystem_tb")
+        return self
 
 
 # Data licenses a published drafter may be trained on: permissive ones, no copyleft, no
@@ -625,6 +687,11 @@ class Profile(StrictModel):
             )
         if self.tune:
             self._check_tune(self.tune)
+        if self.run.shard and self.data.self_written:
+            raise ValueError(
+                "run.shard with data.self_written: every shard would write the prompts anew; "
+                "run generate unsharded, or drop data.self_written"
+            )
         e = self.eval
         if "eagle3" not in e.methods and not e.reference_drafters and not self.server.base_url:
             raise ValueError(

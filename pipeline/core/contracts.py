@@ -59,6 +59,9 @@ class GenerateOutputs(Outputs):
     replicas: list[dict[str, Any]]
     # data.self_written: the prompt file the verifier wrote, its sha256, settings and tallies.
     self_written: dict[str, Any] | None = None
+    # run.shard: this shard and its fingerprint (pipeline.core.shards); merged: every shard's.
+    shard: dict[str, Any] | None = None
+    shards: dict[str, Any] | None = None
 
 
 class LicensesOutputs(Outputs):
@@ -84,6 +87,9 @@ class ExtractOutputs(Outputs):
     hidden_state_bytes: int
     file_bytes: int
     expected_hidden_state_bytes: int
+    # As generate's: one shard's record, or what a merge of the shards checked.
+    shard: dict[str, Any] | None = None
+    shards: dict[str, Any] | None = None
 
 
 class TrainOutputs(Outputs):

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,15 @@ from pipeline.core.config import Profile
 from pipeline.core.contracts import CONTRACTS, InputRecord, Manifest, Outputs
 from pipeline.core.errors import PipelineError
 from pipeline.core.portable import REPO_ROOT, portable, resolved
+from pipeline.core.shards import (
+    SHARDED_STAGES,
+    Shard,
+    ShardError,
+    check_complete,
+    fingerprint,
+    shard_folder,
+    shard_folders,
+)
 
 # Distributions whose versions every manifest records.
 TRACKED_PACKAGES = (
@@ -108,8 +118,12 @@ def folder_bytes(folder: Path) -> int:
 
 
 def stage_dir(profile: Profile, stage: str) -> Path:
+    """``<run>/<stage>``; with ``run.shard`` set, a sharded stage's shard folder in it."""
     if stage not in CONTRACTS:
         raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(CONTRACTS)}")
+    shard = profile.run.shard_spec
+    if shard and stage in SHARDED_STAGES:
+        return shard_folder(profile.run.run_dir / stage, shard)
     return profile.run.run_dir / stage
 
 
@@ -277,3 +291,70 @@ def write_manifest(
 
 def now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def shard_profile(profile: Profile, shard: Shard) -> Profile:
+    """``profile`` as the node that ran ``shard`` saw it (``run.shard`` set)."""
+    return profile.model_copy(update={"run": profile.run.model_copy(update={"shard": str(shard)})})
+
+
+def shard_record(profile: Profile, verifier: Outputs) -> dict[str, Any] | None:
+    """A sharded stage's ``outputs.shard``: the shard and its fingerprint; None unsharded."""
+    shard = profile.run.shard_spec
+    if shard is None:
+        return None
+    return {
+        "index": shard.index,
+        "count": shard.count,
+        "fingerprint": fingerprint(profile.dump(), verifier.model_dump(), package_versions()),
+    }
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """Every shard of a sharded stage, finished, checked and in shard order."""
+
+    count: int
+    manifests: dict[Shard, Manifest[Any]]
+    fingerprint: dict[str, Any]
+
+    def folder(self, profile: Profile, stage: str, shard: Shard) -> Path:
+        return stage_dir(shard_profile(profile, shard), stage)
+
+    def record(self, profile: Profile, stage: str) -> dict[str, Any]:
+        """The merged manifest's ``outputs.shards``: S, the fingerprint, and each shard's
+        manifest sha256 (what the merge was made from)."""
+        return {
+            "count": self.count,
+            "fingerprint": self.fingerprint,
+            "manifests": {
+                shard.name: sha256_file(self.folder(profile, stage, shard) / "manifest.json")
+                for shard in self.manifests
+            },
+        }
+
+
+def finished_shards(profile: Profile, stage: str, verifier: Outputs) -> ShardSet:
+    """The shards of ``stage`` for a merge: every one finished and fresh (each read like an
+    input: its own inputs unchanged since), one S, identical fingerprints, and made as this
+    profile, verifier and these package versions would make them; else a ShardError naming
+    the shards and the fix."""
+    folder = profile.run.run_dir / stage
+    found: dict[Shard, Manifest[Any] | None] = {}
+    for shard in shard_folders(folder):
+        own = shard_profile(profile, shard)
+        found[shard] = stage_manifest(own, stage) if manifest_path(own, stage).is_file() else None
+    count = check_complete(
+        stage, {s: m.outputs.shard if m else None for s, m in found.items()}, folder
+    )
+    manifests = {s: m for s, m in sorted(found.items()) if m is not None}
+    mine = shard_record(shard_profile(profile, Shard(0, count)), verifier)
+    assert mine is not None
+    theirs = manifests[Shard(0, count)].outputs.shard["fingerprint"]
+    if differs := [k for k in theirs if theirs[k] != mine["fingerprint"].get(k)]:
+        raise ShardError(
+            f"{stage}: the shards were made differently from what this merge would make "
+            f"({', '.join(differs)} differ): merge with the profile, verifier and packages the "
+            "shards were made with, or rerun the shards"
+        )
+    return ShardSet(count, manifests, theirs)

@@ -84,7 +84,7 @@ def guarded(cmd: list[str], grace_s: float = GRACE_S) -> list[str]:
 
 
 def start_guarded(
-    cmd: list[str], stdout: IO[bytes], env: dict[str, str] | None = None
+    cmd: list[str], stdout: IO[bytes], env: dict[str, str] | None = None, cwd: str | None = None
 ) -> tuple[subprocess.Popen, str | None]:
     """Start ``cmd`` under a guard, in a session of its own, its output to ``stdout``; the
     guard's process and its kernel start time (for :func:`stop_guarded`)."""
@@ -94,6 +94,7 @@ def start_guarded(
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         env=env,
+        cwd=cwd,
         start_new_session=True,
     )
     return proc, process_start(proc.pid)

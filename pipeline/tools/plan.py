@@ -250,8 +250,110 @@ def build_plan(profile: Profile) -> dict[str, Any]:
         "reserve_bytes": reserve,
         "fits": hidden <= budget,
         "transfer_hours": hidden / link / 3600,
+        "completion_tokens": completion,
         "machines": machines,
         "remedies": remedies,
+        "cluster": cluster_plan(profile, figures, tokens, completion, hidden),
+    }
+
+
+PLACEMENTS = {
+    "training_node": "extract on the training node",
+    "shared_filesystem": "a shared filesystem",
+    "node_local": "node-local disks, training on every node",
+}
+
+
+def cluster_plan(
+    profile: Profile, figures: dict[str, Figure], tokens: float, completion: float, hidden: float
+) -> dict[str, Any] | None:
+    """Per node count and hidden-state placement: hours and node-hours per phase, bytes over
+    the fabric, whether the hidden states fit, and why a placement is refused. Generate and
+    extract run by shard on every node that holds a shard; training runs on one node unless
+    the hidden states are node-local (each node's ranks read the shards it extracted)."""
+    c = profile.plan.cluster
+    if c is None:
+        return None
+    index = next((i for i, m in enumerate(profile.plan.machines) if m.name == c.machine), 0)
+    machine = profile.plan.machines[index]
+    hours = phase_hours(profile, machine, figures, tokens, completion, local=index == 0)
+    fabric = c.fabric_gbps * 1e9 / 8 * c.fabric_efficiency  # bytes/s per node
+    epochs = profile.train.epochs
+    steps = tokens * epochs / profile.plan.train_tokens_per_step
+    step_s = 1 / machine.train_steps_per_s
+    gradient = c.drafter_parameters * c.gradient_bytes
+    rows = []
+    for n in c.nodes:
+        for placement in PLACEMENTS if n > 1 else ["training_node"]:
+            train_nodes = n if placement == "node_local" else 1
+            extract_nodes = 1 if placement == "training_node" else n
+            # A ring all-reduce moves 2 (T-1)/T of the gradient through each node per step.
+            allreduce_s = 2 * (train_nodes - 1) / train_nodes * gradient / fabric
+            wall = {
+                "generate": hours["inference"] / n,
+                "extract": hours["extraction"] / extract_nodes,
+                "train": steps / train_nodes * max(step_s, allreduce_s) / 3600,
+            }
+            fabric_bytes = 0.0
+            refused = None
+            if placement == "shared_filesystem":
+                # Written once from every node, read once per epoch by the training node.
+                wall["extract"] = max(wall["extract"], hidden / n / fabric / 3600)
+                wall["train"] = max(wall["train"], epochs * hidden / fabric / 3600)
+                fabric_bytes = hidden * (1 + epochs)
+                if hidden / fabric / 3600 > hours["extraction"]:
+                    refused = (
+                        f"the training node would read the hidden states over its "
+                        f"{c.fabric_gbps:g} Gbps fabric in {duration(hidden / fabric / 3600)} "
+                        f"per epoch, slower than extracting them on it "
+                        f"({duration(hours['extraction'])})"
+                    )
+            if placement == "node_local" and train_nodes > 1:
+                fabric_bytes = steps / train_nodes * 2 * (train_nodes - 1) * gradient
+                if allreduce_s >= step_s:  # torchrun --nnodes only where the fabric keeps up
+                    refused = (
+                        f"training across nodes does not pay: the gradient all-reduce "
+                        f"({size(2 * (train_nodes - 1) / train_nodes * gradient)} through each "
+                        f"node) takes {allreduce_s * 1e3:,.0f} ms per step against a "
+                        f"{step_s * 1e3:,.0f} ms step"
+                    )
+            per_node_disk = hidden / (n if placement == "node_local" else 1)
+            fits = (
+                hidden <= (c.shared_filesystem_tb or 0) * TB
+                if placement == "shared_filesystem"
+                else per_node_disk <= c.node_disk_tb * TB
+            )
+            node_hours = (
+                hours["inference"] + wall["extract"] * extract_nodes + wall["train"] * train_nodes
+            )
+            rows.append(
+                {
+                    "nodes": n,
+                    "placement": placement,
+                    "hours": wall,
+                    "wall_hours": sum(wall.values()),
+                    "node_hours": node_hours,
+                    "cost_usd": node_hours * machine.hourly_usd if machine.hourly_usd else None,
+                    "fabric_bytes": fabric_bytes,
+                    "hidden_state_bytes_per_disk": per_node_disk,
+                    "fits": fits,
+                    "refused": refused,
+                    "allreduce_s": allreduce_s,
+                    "step_s": step_s,
+                }
+            )
+    for n in c.nodes:  # the fastest placement that fits, or the one the profile names
+        mine = [r for r in rows if r["nodes"] == n]
+        ok = [r for r in mine if r["fits"] and not r["refused"]]
+        if c.placement != "auto":
+            ok = [r for r in ok if r["placement"] == c.placement or n == 1]
+        if ok:
+            min(ok, key=lambda r: r["wall_hours"])["chosen"] = True
+    return {
+        "machine": machine.name,
+        "fabric_gbps": c.fabric_gbps,
+        "gradient_bytes_per_step": gradient,
+        "rows": rows,
     }
 
 
@@ -260,7 +362,7 @@ def duration(hours: float) -> str:
 
 
 def size(n: float) -> str:
-    for unit, scale in (("TB", TB), ("GB", 10**9), ("MB", 10**6)):
+    for unit, scale in (("PB", 1000 * TB), ("TB", TB), ("GB", 10**9), ("MB", 10**6)):
         if n >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{n:,.0f} B"
@@ -312,6 +414,39 @@ def render(plan: dict[str, Any], profile: Profile) -> str:
     return "\n".join(lines)
 
 
+def render_cluster(plan: dict[str, Any], profile: Profile) -> str:
+    cluster = plan["cluster"]
+    p = profile.plan
+    lines = [
+        f"on N x {cluster['machine']}, {cluster['fabric_gbps']:g} Gbps between nodes, "
+        f"{p.link_gbps:g} Gbps to you; generate and extract by shard on every node, "
+        f"training on one node unless the hidden states are node-local:",
+        f"  {'N':>3}  {'hidden states on':<42}{'generate':>9}{'extract':>9}{'train':>9}"
+        f"{'wall':>9}{'node-h':>8}{'cost':>10}{'fabric':>12}{'per disk':>12}",
+    ]
+    for r in cluster["rows"]:
+        h = r["hours"]
+        cost = f"${r['cost_usd']:,.0f}" if r["cost_usd"] is not None else "-"
+        mark = "*" if r.get("chosen") else " "
+        lines.append(
+            f" {mark}{r['nodes']:>3}  {PLACEMENTS[r['placement']]:<42}{duration(h['generate']):>9}"
+            f"{duration(h['extract']):>9}{duration(h['train']):>9}"
+            f"{duration(r['wall_hours']):>9}{r['node_hours']:>8,.0f}{cost:>10}"
+            f"{size(r['fabric_bytes']):>12}{size(r['hidden_state_bytes_per_disk']):>12}"
+        )
+        if not r["fits"]:
+            lines.append("        does not fit: the hidden states exceed that storage")
+        if r["refused"]:
+            lines.append(f"        refused: {r['refused']}")
+    lines.append(
+        f"  * the plan for each N; hidden states cross the link to you in none of these "
+        f"(home, {duration(plan['transfer_hours'])} at {p.link_gbps:g} Gbps: refused)"
+        if plan["hidden_state_bytes"]
+        else "  * the plan for each N"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="plan")
     parser.add_argument("--config", required=True)
@@ -325,6 +460,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(render(plan, profile))
+    if plan["cluster"]:
+        print()
+        print(render_cluster(plan, profile))
+        unplanned = sorted({r["nodes"] for r in plan["cluster"]["rows"]} - {
+            r["nodes"] for r in plan["cluster"]["rows"] if r.get("chosen")})  # fmt: skip
+        if args.check and unplanned:
+            print(
+                f"error: refusing to start: on {', '.join(map(str, unplanned))} nodes no "
+                "placement of the hidden states fits without moving them over a link slower "
+                "than extracting them again (plan.cluster: node_disk_tb, shared_filesystem_tb, "
+                "fabric_gbps, placement)",
+                file=sys.stderr,
+            )
+            sys.exit(2)
     if args.check and not plan["fits"]:
         print(
             "error: refusing to start: the hidden states would not fit on "
