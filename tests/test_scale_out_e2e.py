@@ -36,7 +36,7 @@ from pipeline.core.manifest import read_manifest
 from pipeline.core.shards import Shard, shard_folder
 from pipeline.serving.vllm_server import vllm_server
 from pipeline.tools.ray_shards import RECORD
-from tests.helpers import run_stage, seed_run_dir, stage_env, verifier_model
+from tests.helpers import alive_after, run_stage, seed_run_dir, stage_env, verifier_model
 from tests.listener_guard import ListenerGuard, kill_tree
 from tests.slurm_cluster import missing_tools, slurm_cluster, wait_for_jobs
 
@@ -72,6 +72,16 @@ def ray_cluster(monkeypatch):
     finally:
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+    # Every process the cluster started (raylets, workers, the runner, its stages) inherited
+    # this cluster's RAY_TMPDIR; none may outlive it.
+    assert not alive_after([p for p in psutil.process_iter() if _of_cluster(p, temp)], 10)
+
+
+def _of_cluster(proc: psutil.Process, temp: Path) -> bool:
+    try:
+        return proc.pid != os.getpid() and proc.environ().get("RAY_TMPDIR") == str(temp)
+    except psutil.Error:
+        return False
 
 
 def runner(profile_args: list[str], stage: str, address: str) -> subprocess.Popen:
