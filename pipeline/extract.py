@@ -342,7 +342,8 @@ def link_shards(parts: list[Path], prepared: Path) -> None:
     """One ``prepared`` folder over the shards' ``parts``: their datasets concatenated in order,
     token frequencies summed, and each shard's hidden states linked (relative symlinks, never
     copied) under the row numbers of the whole: ``hs_<offset + i>`` -> the shard's ``hs_<i>``.
-    Built beside ``prepared`` and renamed over it, so a crash leaves the old one or the new."""
+    Built beside ``prepared``; the old one is renamed aside before the new one takes its name,
+    so a crash leaves one of them (``prepared`` or ``prepared.old``) whole."""
     import datasets
     from speculators.train.vocab_mapping import combine_token_frequency_distributions
 
@@ -369,8 +370,12 @@ def link_shards(parts: list[Path], prepared: Path) -> None:
                 target = os.path.relpath(shard_file, links)
                 (links / f"hs_{offset + i}.safetensors").symlink_to(target)
         offset += len(table)
-    shutil.rmtree(prepared, ignore_errors=True)
+    old = prepared.with_name(prepared.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if prepared.exists():
+        prepared.rename(old)
     staging.rename(prepared)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def merge(profile: Profile) -> dict[str, Any]:

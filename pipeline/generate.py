@@ -515,11 +515,6 @@ def merge(profile: Profile) -> dict[str, Any]:
     verifier = read_input(profile, "generate", "verifier").outputs
     shards = finished_shards(profile, "generate", verifier)
     folder = stage_dir(profile, "generate")
-    if complete_records(folder / RESPONSES, repair=True) and not merged_before(profile):
-        raise ShardError(
-            f"generate --merge: {folder / RESPONSES} holds an unsharded run's responses, which "
-            "a merge would replace; move them away (or delete them) first"
-        )
     responses: list[bytes] = []
     skipped: list[bytes] = []
     replicas: list[dict[str, Any]] = []
@@ -531,6 +526,14 @@ def merge(profile: Profile) -> dict[str, Any]:
         responses += lines
         skipped += complete_records(own / manifest.outputs.skipped)
         replicas += [{**r, "shard": str(shard)} for r in manifest.outputs.replicas]
+    merged = b"".join(line + b"\n" for line in responses)
+    present = folder / RESPONSES
+    # An earlier merge that stopped before its manifest wrote these same bytes.
+    if present.exists() and present.read_bytes() != merged and not merged_before(profile):
+        raise ShardError(
+            f"generate --merge: {present} holds an unsharded run's responses, which a merge "
+            "would replace; move them away (or delete them) first"
+        )
     for path, lines in ((folder / RESPONSES, responses), (folder / SKIPPED, skipped)):
         atomic_write_bytes(path, b"".join(line + b"\n" for line in lines))
     first = shards.manifests[Shard(0, shards.count)]

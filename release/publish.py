@@ -438,7 +438,7 @@ def run(profile: Profile, push_to_hub: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.core.cli import report, stage_parser
+    from pipeline.core.cli import report, stage_parser, unsharded
     from pipeline.core.config import load_profile
 
     parser = stage_parser("publish")
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         "--push", action="store_true", help="push to release.repo_id (default: a dry run)"
     )
     args = parser.parse_args(argv)
-    report(lambda: run(load_profile(args.config, args.overrides), push_to_hub=args.push))
+    report(lambda: run(unsharded(load_profile(args.config, args.overrides)), push_to_hub=args.push))
 
 
 if __name__ == "__main__":

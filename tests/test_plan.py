@@ -202,7 +202,9 @@ def test_training_across_nodes_only_where_the_fabric_keeps_up():
     half = build_plan(load_profile(HERO_500K, [*ON_3TB, "plan.cluster.gradient_bytes=2"]))
     local = cluster_rows(half, 4)["node_local"]
     assert local["allreduce_s"] < local["step_s"] and not local["refused"]
-    assert local.get("chosen")  # now the fastest placement that fits
+    # Faster, but not chosen: training from node-local shards is not run by the pipeline yet.
+    assert not local["supported"] and not local.get("chosen")
+    assert cluster_rows(half, 4)["shared_filesystem"].get("chosen")
 
 
 def test_hidden_states_over_a_slow_link_are_refused():
@@ -217,4 +219,4 @@ def test_hidden_states_over_a_slow_link_are_refused():
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "on 4 nodes no placement of the hidden states fits" in proc.stderr
+    assert "on 4 nodes no placement of the hidden states is left" in proc.stderr

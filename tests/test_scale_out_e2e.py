@@ -241,6 +241,7 @@ def test_the_slurm_array_runs_each_shard_and_the_merge_is_exact(tiny_run, tmp_pa
         slurm_cluster(tmp_path / "slurm") as env,
     ):
         env |= {"STAGE": "generate", "CONFIG": "configs/tiny.yaml", "PROGRESS": "0",
+                "SHARDS": str(SHARDS),
                 "ARGS": " ".join([*sharded, replicas])}  # fmt: skip
         proc = subprocess.run(
             ["sbatch", "--parsable", f"--array=0-{SHARDS - 1}", "--export=ALL",

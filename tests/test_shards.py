@@ -145,3 +145,18 @@ def test_merge_never_replaces_an_unsharded_run(sharded):
     with pytest.raises(ShardError, match=r"holds an unsharded run's responses"):
         generate.merge(sharded)
     assert (folder / "responses.jsonl").read_text() == '{"id": "p0"}\n'
+
+
+def test_a_merge_is_stale_once_a_shard_is_rerun(sharded):
+    from pipeline.core.manifest import StageInputError, stage_manifest
+
+    for k in range(2):
+        finish_shard(sharded, Shard(k, 2), ids_of(Shard(k, 2)))
+    generate.merge(sharded)
+    stage_manifest(sharded, "generate")  # fresh
+    shard = stage_dir(shard_profile(sharded, Shard(1, 2)), "generate")
+    manifest = json.loads((shard / "manifest.json").read_text())
+    manifest["counts"]["input"] += 1  # rerun, to another result
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StageInputError, match=r"its shard 00001-of-00002 was rerun or removed"):
+        stage_manifest(sharded, "generate")

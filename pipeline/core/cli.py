@@ -99,11 +99,19 @@ def run_stage(
 
     def body() -> dict[str, Any]:
         profile = load_profile(args.config, args.overrides)
-        if profile.run.shard and (not merge or args.merge):
-            raise PipelineError(
-                f"run.shard={profile.run.shard}: only generate and extract run by shard, and "
-                "a merge reads every shard; drop run.shard for this command"
-            )
+        if not merge or args.merge:
+            unsharded(profile)
         return (merge if merge and args.merge else fn)(profile)
 
     report(body)
+
+
+def unsharded(profile: Profile) -> Profile:
+    """``profile``, refused with the fix when it names a shard: only generate and extract run
+    by shard (pipeline.core.shards), and a merge reads every shard."""
+    if profile.run.shard:
+        raise PipelineError(
+            f"run.shard={profile.run.shard}: only generate and extract run by shard, and a "
+            "merge reads every shard; drop run.shard for this command"
+        )
+    return profile

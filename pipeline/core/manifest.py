@@ -34,6 +34,7 @@ from pipeline.core.errors import PipelineError
 from pipeline.core.portable import REPO_ROOT, portable, resolved
 from pipeline.core.shards import (
     SHARDED_STAGES,
+    SHARDS_FOLDER,
     Shard,
     ShardError,
     check_complete,
@@ -182,6 +183,21 @@ def _check_fresh(profile: Profile, stage: str, manifest: Manifest[Any], seen: se
         if name not in seen:
             seen.add(name)
             _check_fresh(profile, name, _typed(profile, name, raw), seen)
+    _check_merged_shards(profile, stage, manifest)
+
+
+def _check_merged_shards(profile: Profile, stage: str, manifest: Manifest[Any]) -> None:
+    """A merge of shards is stale once a shard it was made from is rerun or gone: extract's
+    merge links the shards' files, which would no longer match its dataset."""
+    merged = getattr(manifest.outputs, "shards", None)
+    for name, digest in (merged or {}).get("manifests", {}).items():
+        path = profile.run.run_dir / stage / SHARDS_FOLDER / name / "manifest.json"
+        if not path.is_file() or sha256_file(path) != digest:
+            raise StageInputError(
+                f"stage {stage!r} of run {profile.run.name!r} is stale: its shard {name} was "
+                f"rerun or removed after the merge; merge again ({_target(stage)} with "
+                "ARGS=--merge) and rerun the stages after it"
+            )
 
 
 def stage_manifest(profile: Profile, stage: str) -> Manifest[Any]:
@@ -343,7 +359,15 @@ def finished_shards(profile: Profile, stage: str, verifier: Outputs) -> ShardSet
     found: dict[Shard, Manifest[Any] | None] = {}
     for shard in shard_folders(folder):
         own = shard_profile(profile, shard)
-        found[shard] = stage_manifest(own, stage) if manifest_path(own, stage).is_file() else None
+        try:
+            found[shard] = (
+                stage_manifest(own, stage) if manifest_path(own, stage).is_file() else None
+            )
+        except StageInputError as err:
+            raise ShardError(
+                f"{stage}: shard {shard} cannot be merged: {err}; rerun it with "
+                f"run.shard={shard} (its finished work is kept)"
+            ) from None
     count = check_complete(
         stage, {s: m.outputs.shard if m else None for s, m in found.items()}, folder
     )
@@ -356,5 +380,12 @@ def finished_shards(profile: Profile, stage: str, verifier: Outputs) -> ShardSet
             f"{stage}: the shards were made differently from what this merge would make "
             f"({', '.join(differs)} differ): merge with the profile, verifier and packages the "
             "shards were made with, or rerun the shards"
+        )
+    revisions = {s: m.data_revision for s, m in manifests.items()}
+    if other := [s for s, r in revisions.items() if r != revisions[Shard(0, count)]]:
+        raise ShardError(
+            f"{stage}: shards {', '.join(map(str, other))} read another revision of the data "
+            f"than shard 0/{count} (data_revision); every node must read the same data: rerun "
+            "them with the data shard 0 read"
         )
     return ShardSet(count, manifests, theirs)

@@ -38,9 +38,8 @@ FOLDER = re.compile(r"^(\d+)-of-(\d+)$")
 # from node to node. Every other field of these sections must agree across shards.
 PER_NODE_FIELDS = {
     "run": {"name", "output_dir", "shard"},
-    "server": {"base_url", "runtime", "container", "host", "port", "startup_timeout_s",
-               "gpu_memory_utilization", "cpu_kv_cache_gib", "max_num_seqs", "extra_args",
-               "tensor_parallel_size"},
+    "server": {"base_url", "host", "port", "startup_timeout_s", "gpu_memory_utilization",
+               "cpu_kv_cache_gib", "max_num_seqs", "tensor_parallel_size"},
     "generate": {"concurrency", "replica_urls", "request_timeout_s", "max_retries",
                  "sync_every_s"},
     "extract": {"concurrency", "disk_reserve_gib"},
@@ -96,8 +95,14 @@ def shard_folders(stage_folder: Path) -> dict[Shard, Path]:
     found = {}
     root = stage_folder / SHARDS_FOLDER
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if match := FOLDER.match(path.name):
-            found[Shard(int(match[1]), int(match[2]))] = path
+        if path.is_dir() and (match := FOLDER.match(path.name)):
+            try:
+                shard = Shard.parse(f"{int(match[1])}/{int(match[2])}")
+            except ValueError:
+                raise ShardError(
+                    f"{path} is no shard's folder (k must be below S): move it out of {root}"
+                ) from None
+            found[shard] = path
     return found
 
 

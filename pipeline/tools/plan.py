@@ -338,13 +338,16 @@ def cluster_plan(
                     "hidden_state_bytes_per_disk": per_node_disk,
                     "fits": fits,
                     "refused": refused,
+                    # Training from node-local shards needs each node's ranks to read the rows
+                    # that node extracted; speculators splits the rows by rank alone.
+                    "supported": placement != "node_local",
                     "allreduce_s": allreduce_s,
                     "step_s": step_s,
                 }
             )
     for n in c.nodes:  # the fastest placement that fits, or the one the profile names
         mine = [r for r in rows if r["nodes"] == n]
-        ok = [r for r in mine if r["fits"] and not r["refused"]]
+        ok = [r for r in mine if r["fits"] and not r["refused"] and r["supported"]]
         if c.placement != "auto":
             ok = [r for r in ok if r["placement"] == c.placement or n == 1]
         if ok:
@@ -438,11 +441,18 @@ def render_cluster(plan: dict[str, Any], profile: Profile) -> str:
             lines.append("        does not fit: the hidden states exceed that storage")
         if r["refused"]:
             lines.append(f"        refused: {r['refused']}")
+        if not r["supported"]:
+            lines.append(
+                "        for comparison: not run by the pipeline yet (speculators splits the rows "
+                "by rank, not by the node that holds them)"
+            )
     lines.append(
+        "  node-hours count the nodes each phase uses (take the others down: idle nodes cost "
+        "the same)\n"
         f"  * the plan for each N; hidden states cross the link to you in none of these "
         f"(home, {duration(plan['transfer_hours'])} at {p.link_gbps:g} Gbps: refused)"
         if plan["hidden_state_bytes"]
-        else "  * the plan for each N"
+        else "  node-hours count the nodes each phase uses\n  * the plan for each N"
     )
     return "\n".join(lines)
 
@@ -468,9 +478,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.check and unplanned:
             print(
                 f"error: refusing to start: on {', '.join(map(str, unplanned))} nodes no "
-                "placement of the hidden states fits without moving them over a link slower "
-                "than extracting them again (plan.cluster: node_disk_tb, shared_filesystem_tb, "
-                "fabric_gbps, placement)",
+                "placement of the hidden states is left: each does not fit (node_disk_tb, "
+                "shared_filesystem_tb), is refused (see above), or is not run by the pipeline; "
+                "change plan.cluster or drop those node counts",
                 file=sys.stderr,
             )
             sys.exit(2)

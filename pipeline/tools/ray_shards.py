@@ -78,6 +78,24 @@ def stage_command(stage: str, config: str, overrides: list[str], shard: Shard | 
     return [*cmd, f"run.shard={shard}"] if shard else [*cmd, "--merge"]
 
 
+def check_fits(nodes: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """A shard must fit some node, and on GPU nodes hold GPUs: a task no node can hold would
+    wait forever, and shards sharing a node's GPUs would start vLLM servers over each other."""
+    gpus = max(n["Resources"].get("GPU", 0) for n in nodes)
+    cpus = max(n["Resources"].get("CPU", 0) for n in nodes)
+    if gpus and not args.gpus_per_shard:
+        raise PipelineError(
+            f"the Ray cluster has GPU nodes (up to {gpus:g} GPUs): set --gpus-per-shard to a "
+            "node's GPUs (8 for the hero), so that one shard holds a node's GPUs at a time"
+        )
+    if args.gpus_per_shard > gpus or args.cpus_per_shard > cpus:
+        raise PipelineError(
+            f"no node of the Ray cluster has {args.gpus_per_shard:g} GPUs and "
+            f"{args.cpus_per_shard:g} CPUs for a shard (at most {gpus:g} GPUs, {cpus:g} CPUs): "
+            "lower --gpus-per-shard / --cpus-per-shard"
+        )
+
+
 def run_shards(args: argparse.Namespace) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -88,7 +106,9 @@ def run_shards(args: argparse.Namespace) -> dict[str, Any]:
     todo = [s for s in shards if not (shard_folder(stage_folder, s) / "manifest.json").is_file()]
     ray.init(address=args.address, logging_level="WARNING", log_to_driver=False)
     try:
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        check_fits(alive, args)
+        nodes = sorted(n["NodeID"] for n in alive)
         task = ray.remote(
             num_cpus=args.cpus_per_shard,
             num_gpus=args.gpus_per_shard,
@@ -165,7 +185,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", required=True, choices=SHARDED_STAGES)
     p.add_argument("--shards", type=int, required=True, help="S: many more than the nodes")
     p.add_argument("--retries", type=int, default=3, help="reruns of a lost or crashed shard")
-    p.add_argument("--cpus-per-shard", type=float, default=1, help="Ray CPUs a shard holds")
+    p.add_argument("--cpus-per-shard", type=float, default=1,
+                   help="Ray CPUs a shard holds (CPU nodes: all of a node's)")  # fmt: skip
     p.add_argument("--gpus-per-shard", type=float, default=0,
                    help="GPUs a shard holds: a whole node's (8 for the hero), so that its "
                    "server gets them (Ray sets CUDA_VISIBLE_DEVICES)")  # fmt: skip
