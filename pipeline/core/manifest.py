@@ -39,6 +39,7 @@ from pipeline.core.shards import (
     ShardError,
     check_complete,
     fingerprint,
+    fingerprint_differences,
     shard_folder,
     shard_folders,
 )
@@ -237,6 +238,11 @@ def all_succeeded(n: int) -> dict[str, int]:
     return {"input": n, "succeeded": n, "skipped": 0, "failed": 0}
 
 
+def read_digest(path: Path) -> str:
+    """The sha256 of a manifest as this process read it (as it is now, for one it did not)."""
+    return _READ.get(path.absolute()) or sha256_file(path)
+
+
 def input_records(profile: Profile, stage: str) -> dict[str, InputRecord]:
     """The sha256 of each declared input's manifest as this process read it (as it is now, for
     one it did not read): an input rerun while the stage ran leaves the stage stale."""
@@ -247,8 +253,7 @@ def input_records(profile: Profile, stage: str) -> dict[str, InputRecord]:
             continue
         if not path.is_file():
             raise StageInputError(f"{path} vanished while stage {stage!r} ran: rerun it")
-        digest = _READ.get(path.absolute()) or sha256_file(path)
-        records[name] = InputRecord(manifest=str(path), sha256=digest)
+        records[name] = InputRecord(manifest=str(path), sha256=read_digest(path))
     return records
 
 
@@ -344,7 +349,7 @@ class ShardSet:
             "count": self.count,
             "fingerprint": self.fingerprint,
             "manifests": {
-                shard.name: sha256_file(self.folder(profile, stage, shard) / "manifest.json")
+                shard.name: read_digest(self.folder(profile, stage, shard) / "manifest.json")
                 for shard in self.manifests
             },
         }
@@ -375,7 +380,7 @@ def finished_shards(profile: Profile, stage: str, verifier: Outputs) -> ShardSet
     mine = shard_record(shard_profile(profile, Shard(0, count)), verifier)
     assert mine is not None
     theirs = manifests[Shard(0, count)].outputs.shard["fingerprint"]
-    if differs := [k for k in theirs if theirs[k] != mine["fingerprint"].get(k)]:
+    if differs := fingerprint_differences(theirs, mine["fingerprint"]):
         raise ShardError(
             f"{stage}: the shards were made differently from what this merge would make "
             f"({', '.join(differs)} differ): merge with the profile, verifier and packages the "

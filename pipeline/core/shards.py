@@ -143,6 +143,11 @@ def fingerprint(
     }
 
 
+def fingerprint_differences(one: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """The fingerprint's fields on which ``other`` differs from ``one``."""
+    return [k for k in one if other.get(k) != one[k]]
+
+
 def check_complete(stage: str, found: dict[Shard, dict[str, Any]], folder: Path) -> int:
     """Return S when ``found`` (shard -> its finished manifest's ``outputs.shard``, or None for
     an unfinished one) holds every shard of one S with identical fingerprints; else refuse,
@@ -170,8 +175,7 @@ def check_complete(stage: str, found: dict[Shard, dict[str, Any]], folder: Path)
     first_shard = min(found)
     first = found[first_shard]["fingerprint"]
     for shard, record in sorted(found.items()):
-        differs = [k for k in first if record["fingerprint"].get(k) != first[k]]
-        if differs:
+        if differs := fingerprint_differences(first, record["fingerprint"]):
             raise ShardError(
                 f"{stage}: shard {shard} was made differently from shard {first_shard} "
                 f"({', '.join(differs)} differ); shards of one run must share the verifier, "
