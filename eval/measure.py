@@ -341,7 +341,8 @@ def measure_arms(
     runs, lm_scores = [], {}
     sampling = deployment_sampling(profile)
     for arm in arms:
-        spec = speculative_config(profile, arm.method, arm.k, drafters.get(arm.reference))
+        drafter = drafters.get(arm.reference)
+        spec = speculative_config(profile, arm.method, arm.k, drafter, arm.reference)
         log_path = folder / f"vllm-{arm.label}.log"
         with vllm_server(
             profile, verifier, log_path, use_base_url=deployed, speculative_config=spec

@@ -49,7 +49,6 @@ from pipeline.core.contracts import ExtractOutputs, TrainOutputs, VerifierOutput
 from pipeline.core.drafter import drafter_digest
 from pipeline.core.manifest import (
     all_succeeded,
-    cuda_available,
     now,
     read_input,
     stage_dir,
@@ -57,6 +56,7 @@ from pipeline.core.manifest import (
 )
 from pipeline.core.portable import portable_drafter
 from pipeline.core.progress import watch
+from pipeline.core.serving_platform import serving_platform
 from pipeline.serving.extraction import clear_staging, server_flags
 from pipeline.serving.logged_process import run_logged
 from pipeline.serving.spec_decode_metrics import scrape
@@ -130,7 +130,7 @@ def drafter_outputs(
         global_steps=state.get("global_step") or reported.get("total_steps"),
         val_metrics=json.loads(metrics_path.read_text()) if metrics_path.exists() else None,
         draft_vocab_size=config["draft_vocab_size"],
-        device="accelerator" if cuda_available() else "cpu",
+        device="cpu" if serving_platform() == "cpu" else "accelerator",
         # As the ranks themselves saw it: whether a process group was formed, of how many ranks.
         distributed=reported.get("distributed"),
         world_size=reported.get("world_size"),

@@ -235,6 +235,14 @@ class LocalHub:
     async def repo_info(self, request, body, repo, rev=None):
         commit = self.revision(self.repo(request, repo), rev)
         siblings = [{"rfilename": path} for path in sorted(commit.files)]
+        if request.query.get("blobs") in ("1", "true", "True"):  # files_metadata=True
+            for sibling in siblings:
+                data = commit.files[sibling["rfilename"]]
+                sibling |= {"size": len(data), "blobId": git_blob_id(data)}
+                if sibling["rfilename"] in commit.lfs:
+                    pointer = f"oid sha256:{hashlib.sha256(data).hexdigest()}\nsize {len(data)}\n"
+                    sibling["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                      "size": len(data), "pointerSize": len(pointer)}  # fmt: skip
         return web.json_response({"id": repo, "sha": commit.oid, "siblings": siblings})
 
     async def preupload(self, request, body, repo, rev):

@@ -19,6 +19,7 @@ import compose
 import pytest
 
 from pipeline.core.config import load_profile
+from pipeline.serving.speculative import speculative_config
 from pipeline.serving.vllm_api import server_command
 from tests.docker_engine import Unavailable, apt_mirror
 from tests.helpers import stand_in_manifest
@@ -138,7 +139,7 @@ def served_command(service: dict, tmp_path: Path) -> list[str]:
     assert service["entrypoint"] == ["python3", "-m", "pipeline.tools.serve"]
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline.tools.serve", *service["command"], "--print",
-         f"run.output_dir={tmp_path}"],
+         "--platform", "cuda", f"run.output_dir={tmp_path}"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -161,11 +162,11 @@ def test_the_serve_profile_services_run_the_stages_server_command_with_a_long_he
     )  # fmt: skip
     for name, port, spec in [
         ("verifier", 8000, None),
-        ("eval", 8001, {"method": "eagle3", "model": drafter, "num_speculative_tokens": 5}),
+        ("eval", 8001, speculative_config(profile, "eagle3", 5, drafter)),
     ]:
         service = services[name]
         kwargs = {"speculative_config": spec} if spec else {}
-        expected = server_command(profile, "moonshotai/Kimi-K2.5", port, **kwargs)
+        expected = server_command(profile, "moonshotai/Kimi-K2.5", port, platform="cuda", **kwargs)
         assert served_command(service, tmp_path) == expected, name
         health = service["healthcheck"]
         assert f"http://127.0.0.1:{port}/health" in " ".join(health["test"]), name
@@ -236,7 +237,7 @@ def flags(cmd: list[str]) -> dict[str, str | None]:
 )
 def test_hero_profiles_give_the_vllm_command_their_hardware_needs(config, expected):
     profile = load_profile(REPO / "configs" / config)
-    got = flags(server_command(profile, profile.verifier.model, 8000))
+    got = flags(server_command(profile, profile.verifier.model, 8000, platform="cuda"))
     assert {k: got.get(k) for k in expected} == expected
     assert got["--model"] == "moonshotai/Kimi-K2.5" and "--trust-remote-code" in got
     assert got["--host"] == "127.0.0.1"  # vLLM binds loopback inside the container too

@@ -225,7 +225,7 @@ def test_speculators_cpu_adapter_targets_exist():
     ("model", "message"),
     [
         ("/no/such/verifier/folder", "no such folder"),
-        ("no-such-org/no-such-verifier", "Download it first"),
+        ("no-such-org/no-such-verifier", "could not download the verifier .* Rerun once the Hub"),
     ],
 )
 def test_missing_verifier_names_the_model_and_the_fix(tmp_path, model, message):

@@ -28,7 +28,7 @@ REPO = Path(__file__).parent.parent
 @pytest.mark.unit
 def test_command_binds_loopback_and_carries_the_profile():
     profile = load_profile("configs/kimi-k2.5.yaml")
-    cmd = server_command(profile, "moonshotai/Kimi-K2.5", 8000)
+    cmd = server_command(profile, "moonshotai/Kimi-K2.5", 8000, platform="cuda")
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "auto"

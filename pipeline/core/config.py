@@ -33,6 +33,7 @@ from pipeline.core.shards import Shard
 
 PositiveInt = Annotated[int, Field(gt=0)]
 HUB_REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"  # "<namespace>/<name>"
+BACKEND_NAME = r"^[A-Z][A-Z0-9_]*$"  # a member of vLLM's AttentionBackendEnum
 
 
 class StrictModel(BaseModel):
@@ -191,6 +192,11 @@ class ServerConfig(StrictModel):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     enforce_eager: bool = False
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # vLLM's --attention-backend for the verifier, and the drafter's (its speculative config's
+    # attention_backend), by vLLM's names (TRITON_MLA, FLASHINFER, ...); None lets vLLM choose.
+    # CUDA only: the CPU build uses its own and refuses these.
+    attention_backend: str | None = Field(default=None, pattern=BACKEND_NAME)
+    draft_attention_backend: str | None = Field(default=None, pattern=BACKEND_NAME)
     # VLLM_CPU_KVCACHE_SPACE in GiB; only read by the CPU build of vLLM.
     cpu_kv_cache_gib: PositiveInt | None = None
     reasoning_parser: str | None = None
@@ -318,6 +324,9 @@ class ReferenceDrafter(PretrainedDrafter):
     method: Literal["eagle3"] = "eagle3"
     # The k to measure it at (each a server start); None: every k of eval.num_speculative_tokens.
     num_speculative_tokens: list[PositiveInt] | None = Field(default=None, min_length=1)
+    # Its own attention backend (an MLA draft layer takes an MLA backend), else the server's
+    # draft_attention_backend.
+    attention_backend: str | None = Field(default=None, pattern=BACKEND_NAME)
 
     @model_validator(mode="after")
     def _not_an_arm_name(self) -> ReferenceDrafter:

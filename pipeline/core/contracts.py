@@ -50,6 +50,9 @@ class VerifierOutputs(Outputs):
     # Only for a verifier made from a package: the package and wheel, the GGUF file's sha256,
     # the dequantisation, the license file copied beside it.
     package: dict[str, Any] | None = None
+    # Only for a Hub verifier: its snapshot in the HF cache at ``revision`` (the commit).
+    snapshot_files: int | None = None
+    snapshot_bytes: int | None = None
 
 
 class GenerateOutputs(Outputs):

@@ -99,13 +99,6 @@ def hardware() -> dict[str, Any]:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "gpus": gpus}
 
 
-def cuda_available() -> bool:
-    """A CUDA device is visible to torch: the GPU code paths (and their labels) apply."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def package_versions() -> dict[str, str]:
     versions = {}
     for name in TRACKED_PACKAGES:

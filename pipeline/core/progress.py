@@ -63,3 +63,11 @@ def watch(
         if thread.is_alive():
             thread.join()
         bar.close()
+
+
+def byte_size(n: float) -> str:
+    """Bytes as people read them, in powers of 1000: 5.73 TB, 80.48 GB, 512 B."""
+    for unit, scale in (("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"

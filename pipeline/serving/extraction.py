@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.config import Profile
-from pipeline.core.manifest import cuda_available
+from pipeline.core.serving_platform import Platform, serving_platform
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CONNECTOR_MODULE = "pipeline.serving.hidden_states_connector"
@@ -55,9 +55,13 @@ def reserve_bytes(profile: Profile) -> int:
     return int(profile.extract.disk_reserve_gib * 2**30)
 
 
-def server_flags(profile: Profile, staging: Path) -> dict[str, Any]:
-    """The speculative and KV-transfer configs that turn vLLM into a hidden-state extractor."""
-    name = "ReservedHiddenStatesConnector" if cuda_available() else "CpuHiddenStatesConnector"
+def server_flags(
+    profile: Profile, staging: Path, platform: Platform | None = None
+) -> dict[str, Any]:
+    """The speculative and KV-transfer configs that turn vLLM into a hidden-state extractor on
+    ``platform`` (default: this process's vLLM's)."""
+    cpu = (platform or serving_platform()) == "cpu"
+    name = "CpuHiddenStatesConnector" if cpu else "ReservedHiddenStatesConnector"
     kv = {
         "kv_connector": name,
         "kv_connector_module_path": CONNECTOR_MODULE,

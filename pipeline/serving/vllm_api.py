@@ -27,9 +27,9 @@ import httpx
 
 from pipeline.core.config import Profile
 from pipeline.core.errors import PipelineError
-from pipeline.core.manifest import cuda_available
 from pipeline.core.portable import REPO_ROOT
 from pipeline.core.progress import progress
+from pipeline.core.serving_platform import Platform, serving_platform
 from pipeline.serving.cpu_workarounds import CPU_SERVER_ARGS, PLUGIN_ENV
 from pipeline.serving.logged_process import log_tail
 
@@ -72,9 +72,14 @@ def server_args(
     kv_transfer_config: dict[str, Any] | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
     served_model_name: str = "verifier",
+    platform: Platform | None = None,
 ) -> list[str]:
-    """vLLM's arguments for this profile: one place, for every stage, machine and runtime."""
+    """vLLM's arguments for this profile: one place, for every stage, machine and runtime.
+
+    ``platform``: the one vLLM serves on (default: this process's, :func:`serving_platform`);
+    the CPU adds the CPU workarounds' flags and refuses a profile's CUDA attention backends."""
     s, v = profile.server, profile.verifier
+    platform = platform or serving_platform()
     cmd = [
         "--model", model,
         "--served-model-name", served_model_name,
@@ -101,8 +106,19 @@ def server_args(
         cmd += ["--reasoning-parser", s.reasoning_parser]
     if s.language_model_only:
         cmd.append("--language-model-only")
-    if not cuda_available():
+    if platform == "cpu":
+        draft_backend = (speculative_config or {}).get("attention_backend")
+        if s.attention_backend or draft_backend:
+            raise ServerError(
+                f"attention backend {s.attention_backend or draft_backend} "
+                f"({'server.attention_backend' if s.attention_backend else 'the drafter'}'s) is "
+                "for CUDA, but this vLLM serves on the CPU, which uses its own: drop the backend "
+                "fields (server.attention_backend, server.draft_attention_backend) or run a CPU "
+                "profile such as configs/tiny.yaml"
+            )
         cmd += CPU_SERVER_ARGS
+    elif s.attention_backend:
+        cmd += ["--attention-backend", s.attention_backend]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     if kv_transfer_config is not None:
@@ -117,19 +133,21 @@ def server_command(profile: Profile, model: str, port: int, **kwargs: Any) -> li
 
 def vllm_env(profile: Profile) -> dict[str, str]:
     """What a server needs in its environment, on any runtime: loopback-only internal traffic,
-    no telemetry, and no Hub lookups for a verifier on disk."""
+    no telemetry, and no Hub lookups (every file a server reads is on disk first)."""
     env = {
         "VLLM_HOST_IP": LOOPBACK,
         "VLLM_LOOPBACK_IP": LOOPBACK,
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    if not cuda_available():
+    if serving_platform() == "cpu":
         env[PLUGIN_ENV] = "1"
     if profile.server.cpu_kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.server.cpu_kv_cache_gib)
-    if Path(profile.verifier.model or "").is_dir() or profile.verifier.model is None:
-        env["HF_HUB_OFFLINE"] = "1"
+    # Every file a server reads is on disk first: a local or built verifier, a Hub verifier's
+    # snapshot (the verifier stage downloads it whole; offline, its id resolves to that commit),
+    # and drafters (eval fetches a Hub drafter before serving it).
+    env["HF_HUB_OFFLINE"] = "1"
     return env
 
 

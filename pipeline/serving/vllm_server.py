@@ -30,6 +30,7 @@ from typing import Any
 
 from pipeline.core.atomic_files import atomic_write_bytes
 from pipeline.core.config import Profile
+from pipeline.core.serving_platform import check_build_matches_machine
 from pipeline.serving.server_guard import (
     GRACE_S,
     owner_alive,
@@ -129,6 +130,7 @@ def vllm_server(
                 container=container.name,
             )
         return
+    check_build_matches_machine()
     cmd = server_command(
         profile, model, port, served_model_name=served_model_name, **command_kwargs
     )

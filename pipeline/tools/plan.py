@@ -31,7 +31,9 @@ from pipeline.core.config import MachineProfile, Profile, load_profile
 from pipeline.core.contracts import GenerateOutputs, Manifest
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import StageInputError, stage_manifest
+from pipeline.core.progress import byte_size as size
 from pipeline.core.prompts import count_rows, resolve_local
+from pipeline.core.serving_platform import check_build_matches_machine
 from pipeline.serving.extraction import bytes_per_token, captured_layer_ids, element_bytes
 
 TB = 10**12
@@ -364,13 +366,6 @@ def duration(hours: float) -> str:
     return f"{hours:.1f}h" if hours >= 1 else f"{hours * 60:.1f}m"
 
 
-def size(n: float) -> str:
-    for unit, scale in (("PB", 1000 * TB), ("TB", TB), ("GB", 10**9), ("MB", 10**6)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
-
 def render(plan: dict[str, Any], profile: Profile) -> str:
     p = profile.plan
     lines = [
@@ -466,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         profile = load_profile(args.config, args.overrides)
         plan = build_plan(profile)
+        if args.check and not profile.server.base_url and profile.server.runtime == "process":
+            check_build_matches_machine()  # the stages' servers are this venv's vLLM
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -45,7 +45,9 @@ def command(profile: Profile, args: argparse.Namespace) -> list[str]:
         drafter_speculative_config(profile, args.num_speculative_tokens) if args.drafter else None
     )
     port = args.port or profile.server.port or 8000
-    return server_command(profile, verifier_path(profile), port, speculative_config=spec)
+    return server_command(
+        profile, verifier_path(profile), port, speculative_config=spec, platform=args.platform
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter", action="store_true", help="speculate with the drafter")
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--print", action="store_true", help="print the command line and exit")
+    parser.add_argument(
+        "--platform", choices=("cpu", "cuda"), default=None,
+        help="the platform to build the command for (default: this vLLM's; with --print)",
+    )  # fmt: skip
     args = parser.parse_intermixed_args(argv)
     try:
         profile = load_profile(args.config, args.overrides)

