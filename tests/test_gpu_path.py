@@ -188,6 +188,7 @@ def test_cuda_vllm_on_a_machine_without_gpus_is_refused_naming_the_fix(monkeypat
 
 def vllm_parsed(args: list[str]):
     """The engine arguments vLLM's own `vllm serve` parser makes of ``args``."""
+    import huggingface_hub.constants
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -195,7 +196,14 @@ def vllm_parsed(args: list[str]):
 
     namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
     validate_parsed_serve_args(namespace)
-    engine = AsyncEngineArgs.from_cli_args(namespace)
+    # Offline, vLLM's engine arguments swap a Hub id for its cached snapshot, which a parse needs
+    # not (the servers the stages start run offline, once the snapshot is downloaded).
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    huggingface_hub.constants.HF_HUB_OFFLINE = False
+    try:
+        engine = AsyncEngineArgs.from_cli_args(namespace)
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE = offline
     if engine.attention_backend is not None:  # a name vLLM knows
         AttentionBackendEnum[str(engine.attention_backend)]
     return engine
@@ -203,14 +211,7 @@ def vllm_parsed(args: list[str]):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("config", HERO_PROFILES)
-def test_every_hero_command_line_parses_with_vllms_and_speculators_own_parsers(
-    config, tmp_path, monkeypatch
-):
-    import huggingface_hub.constants
-
-    # Offline, vLLM's engine arguments swap a Hub id for its cached snapshot, which a parse
-    # needs not; the servers the stages start run offline (the snapshot is downloaded first).
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+def test_every_hero_command_line_parses_with_vllms_and_speculators_own_parsers(config, tmp_path):
     from speculators.train.config.resolution import build_parser
     from vllm.config.speculative import SpeculativeConfig
 

@@ -1,0 +1,3 @@
+from pipeline.tools.gpu_smoke import main
+
+main()
