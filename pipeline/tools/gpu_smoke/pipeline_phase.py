@@ -26,9 +26,13 @@ import, so that a bare CUDA machine runs that phase without them.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -151,23 +155,32 @@ def check_capture(
 
 
 def run_stages(config: str, overrides: list[str], out: Path, timeout_s: float) -> list[dict]:
-    """Each stage as make runs it, logged to ``out/<stage>.log`` and timed; stops at the first
-    that fails, whose log tail the report carries."""
+    """Each stage as make runs it, in a session of its own, logged to ``out/<stage>.log`` and
+    timed; stops at the first that fails or outlives ``timeout_s`` (its whole process group,
+    vLLM included, killed), naming it with its log's tail."""
     ran = []
     for name, module in STAGES:
         cmd = [sys.executable, "-m", module, "--config", config, *overrides]
         log_path = out / f"{name}.log"
         started = time.monotonic()
         with open(log_path, "wb") as log_file:
-            proc = subprocess.run(
-                cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s,
-                check=False,
+            proc = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )  # fmt: skip
-        wall_s = round(time.monotonic() - started, 1)
-        ran.append({"stage": name, "returncode": proc.returncode, "wall_s": wall_s})
-        if proc.returncode != 0:
+            try:
+                returncode = proc.wait(timeout=timeout_s)
+            except BaseException:  # the timeout, Ctrl-C: nothing of the stage stays
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+            finally:
+                wall_s = round(time.monotonic() - started, 1)
+        ran.append({"stage": name, "returncode": returncode, "wall_s": wall_s})
+        if returncode != 0:
             tail = log_path.read_text(errors="replace").splitlines()[-40:]
-            raise GpuSmokeError(f"stage {name} failed (exit {proc.returncode}); {log_path}:\n"
+            raise GpuSmokeError(f"stage {name} failed (exit {returncode}); {log_path}:\n"
                                 + "\n".join(tail))  # fmt: skip
     return ran
 
@@ -184,16 +197,29 @@ def check_training(profile: Profile) -> dict[str, Any]:
 
 
 def check_decoding(profile: Profile) -> dict[str, Any]:
+    """Eval's own comparisons: every arm's greedy outputs against the baseline's, level by level,
+    and drafts accepted by EAGLE-3 and ngram."""
     summary = stage_manifest(profile, "eval").outputs.summary
+    results = json.loads((stage_dir(profile, "eval") / "results.json").read_text())
+    mismatched = {
+        f"{run['series']} k={run.get('k')} c={level['concurrency']}": level["mismatched_prompt_ids"]
+        for run in results["runs"]
+        for level in run["levels"]
+        if "mismatched_prompt_ids" in level
+    }
     found = {
-        "greedy_outputs_identical": summary.get("greedy_outputs_identical"),
+        "arms_compared": len(mismatched),
+        "greedy_outputs_identical": not any(mismatched.values()),
         "eagle3_mean_acceptance_length": summary.get("mean_acceptance_length"),
         "ngram_mean_acceptance_length": summary.get("ngram_mean_acceptance_length"),
         "speedup": summary.get("speedup"),
         "num_speculative_tokens": summary.get("num_speculative_tokens"),
     }
-    if found["greedy_outputs_identical"] is not True:
-        raise GpuSmokeError(f"greedy outputs differ with the drafter: {summary}")
+    if not mismatched or not found["greedy_outputs_identical"]:
+        bad = {arm: ids for arm, ids in mismatched.items() if ids}
+        raise GpuSmokeError(
+            f"greedy outputs differ from the baseline's: {bad or 'no arm compared'}"
+        )
     for method in ("eagle3", "ngram"):
         length = found[f"{method}_mean_acceptance_length"]
         if not length or length <= 1:
@@ -230,8 +256,12 @@ def run_pipeline(config: str, overrides: list[str], out: Path, stage_timeout_s: 
     overrides, _ = profile_for(config, overrides, out)
     logs = out / "smoke-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    return {"config": config, "overrides": overrides,
-            "stages": run_stages(config, overrides, logs, stage_timeout_s)}  # fmt: skip
+    try:
+        stages = run_stages(config, overrides, logs, stage_timeout_s)
+    except subprocess.TimeoutExpired as err:
+        raise GpuSmokeError(f"a stage outlived --stage-timeout-s={stage_timeout_s:.0f}: {err.cmd}"
+                            f"; its log is in {logs}") from None  # fmt: skip
+    return {"config": config, "overrides": overrides, "stages": stages}
 
 
 def run_checks(config: str, overrides: list[str], out: Path, device: str, shards: int) -> dict:
@@ -245,9 +275,19 @@ def run_checks(config: str, overrides: list[str], out: Path, device: str, shards
         "servers": server_log_findings(profile),
     }
     if device == "cuda":
-        backend = profile.server.attention_backend
-        for name, seen in result["servers"].items():
-            if backend not in seen["attention_backends"] or not seen["cuda_graphs_captured"]:
-                raise GpuSmokeError(f"{name}: expected the {backend} backend and captured CUDA "
-                                    f"graphs, the log shows {seen}")  # fmt: skip
+        check_servers(profile, result["servers"])
     return result
+
+
+def check_servers(profile: Profile, servers: dict[str, Any]) -> None:
+    """On CUDA: every eval server named the profile's attention backend (when it names one)
+    and captured CUDA graphs (unless server.enforce_eager)."""
+    if not servers:
+        raise GpuSmokeError("no eval server log (eval/vllm-*.log) to read")
+    backend = profile.server.attention_backend
+    for name, seen in servers.items():
+        if backend and backend not in seen["attention_backends"]:
+            raise GpuSmokeError(f"{name}: the {backend} backend was asked for, the log shows "
+                                f"{seen['attention_backends'] or 'none'}")  # fmt: skip
+        if not profile.server.enforce_eager and not seen["cuda_graphs_captured"]:
+            raise GpuSmokeError(f"{name}: no CUDA graphs captured (server.enforce_eager is off)")
