@@ -399,6 +399,8 @@ class TrainConfig(StrictModel):
     # Kernels: flex attention and the fused loss need a GPU; sdpa/eager run anywhere.
     draft_attn_impl: Literal["simple_flex_attention", "sdpa", "eager"] = "simple_flex_attention"
     loss_implementation: Literal["fused", "eager"] = "fused"
+    # speculators' --optimizer; None: its default (Muon on 2-D weights, AdamW on the rest).
+    optimizer: Literal["muon", "adamw"] | None = None
     num_workers: int = Field(default=4, ge=0)
     # Fraction of extracted samples trained on; the rest is speculators' validation split.
     train_data_ratio: float = Field(default=0.95, gt=0, le=1)

@@ -163,6 +163,8 @@ def train_command(
         cmd.append("--fsdp-shard")
     if t.max_steps:
         cmd += ["--max-steps", str(t.max_steps)]
+    if t.optimizer:
+        cmd += ["--optimizer", t.optimizer]
     return [*cmd, *t.extra_args]
 
 
