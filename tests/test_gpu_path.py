@@ -337,6 +337,13 @@ def tiny_hub_model(folder: Path, code: str) -> Path:
     return folder
 
 
+def verifier_stage(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.verifier", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False, env=env,
+    )  # fmt: skip
+
+
 @pytest.mark.unit
 def test_a_hub_verifier_is_downloaded_whole_before_any_server_and_its_code_checked(
     tmp_path, monkeypatch
@@ -360,11 +367,7 @@ def test_a_hub_verifier_is_downloaded_whole_before_any_server_and_its_code_check
         env["HF_HUB_DISABLE_XET"] = "1"  # the local Hub serves git-LFS, not Xet
         args = ["--config", "configs/kimi-k2.5.yaml", f"run.output_dir={tmp_path / 'runs'}",
                 "verifier.model=alice/kimi-like"]  # fmt: skip
-        proc = subprocess.run(
-            [sys.executable, "-m", "pipeline.verifier", *args],
-            cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-            env=env,
-        )  # fmt: skip
+        proc = verifier_stage(args, env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         manifest = json.loads(
             (tmp_path / "runs/kimi-k2.5-eagle3/verifier/manifest.json").read_text()
@@ -384,26 +387,14 @@ def test_a_hub_verifier_is_downloaded_whole_before_any_server_and_its_code_check
         bad = remote_tokenizer(fixtures / "gpt2-import" / "tokenization_kimi.py").encode()
         api.upload_file(path_or_fileobj=bad, path_in_repo="tokenization_kimi.py",
                         repo_id="alice/kimi-like")  # fmt: skip
-        proc = subprocess.run(
-            [sys.executable, "-m", "pipeline.verifier", *args],
-            cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-            env=env,
-        )  # fmt: skip
+        proc = verifier_stage(args, env)
         assert proc.returncode == 2
         assert "tokenization_gpt2 import bytes_to_unicode fails" in proc.stderr
         # Pinned to the commit that works, it runs again, from the cache.
         pinned = [*args, f"verifier.revision={first}"]
-        proc = subprocess.run(
-            [sys.executable, "-m", "pipeline.verifier", *pinned],
-            cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-            env=env,
-        )  # fmt: skip
+        proc = verifier_stage(pinned, env)
         assert proc.returncode == 0, proc.stderr[-3000:]
     # The Hub gone, the cached commit still serves.
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.verifier", *pinned],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-        env={**env, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+    proc = verifier_stage(pinned, {**env, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "using the cached snapshot" in proc.stderr
