@@ -93,7 +93,7 @@ def test_vllm_captures_the_hidden_states_transformers_computes(tiny_run, tmp_pat
     miniature: the states extract stored are the verifier's own, at the layers it names: each
     aux layer's input, and last the final layer's output before the final norm. Measured: they
     agree to about 1e-5 of each layer's largest value."""
-    from pipeline.tools.gpu_smoke import captured_hidden_states
+    from pipeline.tools.gpu_smoke.pipeline_phase import captured_hidden_states
     from pipeline.training.text_view import text_model
 
     model = text_model(verifier_model(tiny_run), None, tmp_path / "text-view")
