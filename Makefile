@@ -272,9 +272,9 @@ publish: $(STAMP)
 	$(STAGE) release.publish --config $(CONFIG) $(if $(filter 1 true yes,$(PUSH)),--push) $(ARGS)
 
 # Default tier: unit tests, one true end-to-end tiny run (real vLLM, real training) and one
-# through compose on the private engine.
+# through compose on the private engine; the 30 slowest tests are listed at the end.
 test: $(STAMP) scale-out-tools
-	$(WITH_ENGINE) $(PY) -m pytest -m "not slow and not gpu" $(ARGS)
+	$(WITH_ENGINE) $(PY) -m pytest -m "not slow and not gpu" --durations=30 $(ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -m unit $(ARGS)

@@ -90,7 +90,7 @@ def run(profile: Profile) -> dict[str, Any]:
         arms = [Arm("served")]  # measured as it runs: no paired baseline, nothing started
     else:
         if train:
-            check_drafter_matches(verifier_outputs, train)
+            check_drafter_matches(verifier_outputs, train, profile.server.extra_args)
         paths, references = prepare_references(profile, verifier_outputs, folder)
         drafters |= paths
         arms = planned_arms(profile)

@@ -2,8 +2,8 @@
 
 - a prompt too long for the context is skipped before any server starts and named
   (:func:`skip_too_long`), never cut short or refused mid-measurement;
-- the drafter's recorded verifier, capture-layer ids and chat-template hash are those served
-  (:func:`check_drafter_matches`);
+- the drafter's recorded verifier, capture-layer ids and chat-template hash are those served,
+  a ``--chat-template`` in ``server.extra_args`` included (:func:`check_drafter_matches`);
 - an EAGLE-3 (or served) arm that drafted nothing, or accepted about nothing, is an error, not a
   result (:func:`check_acceptance`);
 - every arm's greedy outputs are compared token by token with the baseline's at the same
@@ -28,6 +28,7 @@ from pipeline.core.config import Profile
 from pipeline.core.contracts import TrainOutputs, VerifierOutputs
 from pipeline.core.drafter import aux_layer_ids, drafter_config
 from pipeline.core.errors import PipelineError
+from pipeline.serving.vllm_api import served_chat_template_sha256
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +57,29 @@ def skip_too_long(
     return prompts, skipped
 
 
-def check_drafter_matches(verifier: VerifierOutputs, train_outputs: TrainOutputs) -> None:
+def check_drafter_matches(
+    verifier: VerifierOutputs, train_outputs: TrainOutputs, server_args: list[str]
+) -> None:
     """Refuse a drafter trained against another verifier, layers or chat template than the
-    served ``verifier`` (the `verifier` stage's outputs)."""
+    served ``verifier`` (the `verifier` stage's outputs) with ``server_args`` (a
+    ``--chat-template`` among them replaces the verifier's own)."""
     trained_on = train_outputs.verifier
     served = {
         "model": verifier.model,
         "capture_layer_ids": verifier.capture_layer_ids,
-        "chat_template_sha256": verifier.chat_template_sha256,
+        "chat_template_sha256": served_chat_template_sha256(
+            server_args, verifier.chat_template_sha256
+        ),
     }
     for key, want in served.items():
         if trained_on.get(key) != want:
+            also = " (a --chat-template in server.extra_args included)" * (
+                key == "chat_template_sha256"
+            )
             raise EvalError(
                 f"the drafter was trained with {key}={trained_on.get(key)!r} but the served "
-                f"verifier has {key}={want!r}; retrain (`make train`) or serve the right verifier"
+                f"verifier has {key}={want!r}{also}; retrain (`make train`) or serve the right "
+                "verifier"
             )
     config_path = Path(train_outputs.drafter) / "config.json"
     config = drafter_config(Path(train_outputs.drafter))

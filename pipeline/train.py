@@ -60,7 +60,7 @@ from pipeline.core.serving_platform import serving_platform
 from pipeline.serving.extraction import clear_staging, server_flags
 from pipeline.serving.logged_process import run_logged
 from pipeline.serving.spec_decode_metrics import scrape
-from pipeline.serving.vllm_api import Endpoint
+from pipeline.serving.vllm_api import Endpoint, served_chat_template_sha256
 from pipeline.serving.vllm_server import vllm_server
 from pipeline.training.launch import (
     Rendezvous,
@@ -119,6 +119,7 @@ def drafter_outputs(
     verifier: VerifierOutputs,
     extract: ExtractOutputs,
     tokens_generated_online: int,
+    chat_template_sha256: str,
 ) -> TrainOutputs:
     state_path, metrics_path = drafter / "training_state.json", drafter / "val_metrics.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -143,7 +144,7 @@ def drafter_outputs(
         verifier={
             "model": verifier.model,
             "capture_layer_ids": extract.captured_layer_ids[:-1],
-            "chat_template_sha256": verifier.chat_template_sha256,
+            "chat_template_sha256": chat_template_sha256,
         },
     )
 
@@ -193,11 +194,18 @@ def run(profile: Profile) -> dict[str, Any]:
         log.info("train: node %d done; node 0 writes the manifest", node)
         return {"stage": "train", "node_rank": node}
     drafter, config = checked_drafter(save, layers)
+    # The template the extraction server applied (extract's, or this stage's own when online):
+    # the verifier's, or a --chat-template in server.extra_args; eval serves the same or refuses.
+    extraction_args = (
+        profile.server.extra_args if online else extract.config["server"].get("extra_args", [])
+    )
+    template_sha = served_chat_template_sha256(extraction_args, verifier.chat_template_sha256)
     name_verifier(drafter, verifier.model, own_config)
     portable_drafter(profile, drafter)  # published as evaluated: no path of this machine
     outputs = drafter_outputs(
-        drafter, config, folder / "progress.json", cmd, verifier, extract.outputs, generated_tokens
-    )
+        drafter, config, folder / "progress.json", cmd, verifier, extract.outputs,
+        generated_tokens, template_sha,
+    )  # fmt: skip
     outputs.training_data = used.record()
     if pretrained:
         outputs.from_pretrained = pretrained.record

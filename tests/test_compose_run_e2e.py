@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ STAGES = ("verifier", "generate", "licenses", "extract", "train", "eval", "card"
 # Smaller than the local run's, same code: each eval arm is a container start.
 RUN_ARGS = (
     "data.max_samples=48 data.eval_max_samples=8 eval.max_tokens=32 train.epochs=4 "
-    "eval.num_speculative_tokens=[1] eval.concurrency=[1]"
+    "eval.num_speculative_tokens=[1] eval.concurrency=[1] eval.methods=[eagle3]"
 )
 COMPOSE = ["docker", "compose", "-f", "compose.yaml", "-f", "compose.cpu.yaml"]
 
@@ -87,10 +88,14 @@ def container_listeners(docker_engine):
 
 
 @pytest.fixture(scope="module")
-def compose_run(docker_engine, container_listeners, tmp_path_factory):
-    """The run killed mid-generate, then run to the end; what each step left."""
+def compose_run(docker_engine, container_listeners, tiny_run, tmp_path_factory):
+    """The run killed mid-generate, then run to the end; what each step left. The verifier the
+    local run built is copied in (the same recipe: the container's verifier stage reuses it, as
+    any rerun does); building it again is four minutes of the same code."""
     root = tmp_path_factory.mktemp("compose")
     data, hf = root / "data", root / "hf"
+    shutil.copytree(tiny_run.run.run_dir / "verifier", data / "runs" / "tiny" / "verifier",
+                    ignore=shutil.ignore_patterns("*.log"))  # fmt: skip
     env = {**os.environ, "DATA_DIR": str(data), "HF_CACHE": str(hf), "PROGRESS": "0"}
     responses = data / "runs" / "tiny" / "generate" / "responses.jsonl"
     facts: dict = {"root": root, "data": data, "env": env}

@@ -8,6 +8,7 @@ prompts; its greedy outputs are token-identical to the verifier's alone, compare
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -497,9 +498,11 @@ PLAIN_CHAT_TEMPLATE = """{% for m in messages %}{{ m['role'] }}: {{ m['content']
 {% endfor %}assistant:"""
 
 
-def test_a_server_applying_another_chat_template_is_caught(tiny_run, tmp_path):
-    """Served with a plain template instead of the verifier's own (the drafter trained on the
-    Kimi format): still well above the untrained floor, far below validation further out."""
+def test_a_server_applying_another_chat_template_is_refused_before_serving(tiny_run, tmp_path):
+    """A --chat-template in server.extra_args other than the one the drafter was trained on.
+    Measurement cannot be the guard here: served over validation with this plain template was
+    1.05-1.18 per position against 1.09-1.32 with the verifier's own (one AdamW tiny run,
+    2026-12-07; Muon drafters gave 0.46-0.67), so the template's hash is compared instead."""
     from pipeline.core.config import load_profile
     from tests.helpers import seed_run_dir
 
@@ -508,29 +511,17 @@ def test_a_server_applying_another_chat_template_is_caught(tiny_run, tmp_path):
     overrides = [
         f"run.output_dir={tmp_path}",
         *TEST_OVERRIDES,
-        "eval.methods=[eagle3]",
-        "eval.num_speculative_tokens=[3]",
-        "eval.concurrency=[1]",
-        "eval.lm_eval_tasks=[]",
-        "eval.sampled=null",
         f"server.extra_args=[--chat-template,{template}]",
-        # Served over validation, measured on three tiny runs: 0.91-1.15 at every position with
-        # the verifier's own template, 0.46-0.67 with this one. The default 0.5 sits inside the
-        # plain template's spread (a run's drafter decides which side); 0.75 separates them.
-        "eval.min_served_over_validation=0.75",
     ]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     seed_run_dir(tiny_run, profile, ("verifier", "generate", "train"))
     pin_recorded_verifier(profile)
     proc = run_eval(*overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "served acceptance is far below the drafter's validation accuracy" in last_line(proc)
-    assert "check the chat template the server applies" in last_line(proc)
-    results = eval_results(profile)  # on disk for the diagnosis, the manifest not written
-    assert not (profile.run.run_dir / "eval" / "manifest.json").exists()
-    assert results["summary"]["mean_acceptance_length"] > profile.eval.min_acceptance_length
-    ratios = [r["ratio"] for r in results["train_serve"]["positions"]]
-    assert min(ratios) < profile.eval.min_served_over_validation, ratios
+    plain_sha = hashlib.sha256(PLAIN_CHAT_TEMPLATE.encode()).hexdigest()
+    assert f"the served verifier has chat_template_sha256={plain_sha!r}" in last_line(proc)
+    assert "a --chat-template in server.extra_args included" in last_line(proc)
+    assert not list((profile.run.run_dir / "eval").glob("vllm-*.log"))  # refused before serving
 
 
 @pytest.fixture(scope="module")

@@ -61,3 +61,19 @@ def test_positions_a_weak_drafter_almost_never_gets_right_are_not_judged():
     check_consistency(train_serve_consistency(weak, [0.19, 0.05, 0.012]), 0.5, "eagle3 k=3")
     with pytest.raises(EvalError, match=r"position 1: 0\.080 served"):
         check_consistency(train_serve_consistency(weak, [0.08, 0.05, 0.012]), 0.5, "eagle3 k=3")
+
+
+def test_the_served_template_is_a_chat_template_argument_or_the_verifiers_own(tmp_path):
+    """vLLM takes ``--chat-template`` as a file or as the template itself, in either spelling."""
+    import hashlib
+
+    from pipeline.serving.vllm_api import served_chat_template_sha256
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    sha = hashlib.sha256(template.encode()).hexdigest()
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert served_chat_template_sha256(["--max-num-seqs", "4"], "own") == "own"
+    assert served_chat_template_sha256(["--chat-template", str(path)], "own") == sha
+    assert served_chat_template_sha256([f"--chat-template={path}"], "own") == sha
+    assert served_chat_template_sha256(["--chat-template", template], "own") == sha

@@ -482,7 +482,8 @@ class EvalConfig(StrictModel):
     min_acceptance_length: float = Field(default=1.1, ge=1)
     # Below this ratio of served acceptance to the drafter's validation accuracy, at any draft
     # position of the headline EAGLE-3 arm, eval is an error: training and serving disagree
-    # (another chat template, sequence length, dtype or capture layers when served). Positions
+    # (another sequence length, dtype or chat template than the tokenizer's when served; a
+    # --chat-template in server.extra_args is compared by hash before serving). Positions
     # under 0.1 validation accuracy are not judged: a ratio of two small rates is noise.
     min_served_over_validation: float = Field(default=0.5, gt=0)
     # vLLM's ngram (prompt lookup) drafter: n-gram sizes it matches against the prompt.

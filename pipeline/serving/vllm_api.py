@@ -12,6 +12,7 @@ both start exactly this command.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -126,6 +127,23 @@ def server_args(
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return [*cmd, *s.extra_args, *extra_args]
+
+
+def served_chat_template_sha256(extra_args: list[str], own_sha256: str) -> str:
+    """The sha256 of the chat template a server given ``extra_args`` applies: that of a
+    ``--chat-template`` among them (a file, or the template itself, as vLLM takes either), else
+    ``own_sha256``, the verifier's own template's."""
+    value = None
+    for i, arg in enumerate(extra_args):
+        if arg == "--chat-template" and i + 1 < len(extra_args):
+            value = extra_args[i + 1]
+        elif arg.startswith("--chat-template="):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        return own_sha256
+    path = Path(value)
+    text = path.read_text() if path.is_file() else value
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def server_command(profile: Profile, model: str, port: int, **kwargs: Any) -> list[str]:
