@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import load_profile
-from tests.helpers import TEST_OVERRIDES
+from tests.helpers import TEST_OVERRIDES, skip_unless_ci
 from tests.listener_guard import run_watched
 
 REPO = Path(__file__).parent.parent
@@ -33,9 +33,9 @@ def docker_engine():
     import docker
 
     if why := os.environ.get("EAGLE3_NO_ENGINE"):
-        pytest.skip(f"no Docker engine on this machine: {why}")
+        skip_unless_ci(f"no Docker engine on this machine: {why}")
     if not os.environ.get("EAGLE3_ENGINE_DIR"):
-        pytest.skip(
+        skip_unless_ci(
             "no private Docker engine: run the container tests through `make test` or "
             "`make test-containers`, which start one"
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import load_profile
+from tests.helpers import skip_unless_ci
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).parent.parent
@@ -43,10 +44,7 @@ print(json.dumps(out))
 
 def sky_load(tmp_path: Path, *paths: Path) -> dict:
     if not SKY_PYTHON.exists():
-        message = "SkyPilot's venv is missing: run `make scale-out-tools` (make test does)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        skip_unless_ci("SkyPilot's venv is missing: run `make scale-out-tools` (make test does)")
     proc = subprocess.run(
         [str(SKY_PYTHON), "-c", LOAD, *map(str, paths)],
         env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]},  # sky writes ~/.sky

@@ -36,7 +36,14 @@ from pipeline.core.manifest import read_manifest
 from pipeline.core.shards import Shard, shard_folder
 from pipeline.serving.vllm_server import vllm_server
 from pipeline.tools.ray_shards import RECORD
-from tests.helpers import alive_after, run_stage, seed_run_dir, stage_env, verifier_model
+from tests.helpers import (
+    alive_after,
+    run_stage,
+    seed_run_dir,
+    skip_unless_ci,
+    stage_env,
+    verifier_model,
+)
 from tests.listener_guard import ListenerGuard, kill_tree
 from tests.slurm_cluster import missing_tools, slurm_cluster, wait_for_jobs
 
@@ -229,10 +236,8 @@ def test_the_slurm_array_runs_each_shard_and_the_merge_is_exact(tiny_run, tmp_pa
     daemons on 127.0.0.1 alone): SLURM_ARRAY_TASK_ID is the shard, each task `make generate`
     for its shard against the shared server; merged, it is the one-box run."""
     if missing := missing_tools():
-        message = f"Slurm is not installed here ({', '.join(missing)}): run `make scale-out-tools`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        tools = ", ".join(missing)
+        skip_unless_ci(f"Slurm is not installed here ({tools}): run `make scale-out-tools`")
     replicas, one_box = shared_server
     sharded, profile = sharded_profile(tiny_run, tmp_path / "runs")
     script = REPO / "configs" / "scale-out" / "shards.sbatch"
