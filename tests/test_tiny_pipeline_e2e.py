@@ -481,12 +481,25 @@ def test_a_drafter_trained_for_another_verifier_or_template_is_refused(
     assert not list((profile.run.run_dir / "eval").glob("vllm-*.log"))  # refused before serving
 
 
+# Served over validation, served as trained: 0.91-1.32 at every position over four tiny runs
+# (three Muon-trained drafters, 2026-12-04/05; one AdamW-trained, 2026-12-07).
+MEASURED_MIN_SERVED_OVER_VALIDATION = 0.91
+
+
 def test_served_acceptance_agrees_with_validation_and_the_card_says_so(tiny_run):
-    """The normal run passes the train/serve consistency guard, position by position."""
-    consistency = eval_results(tiny_run)["train_serve"]
-    positions = consistency["positions"]
+    """Served as trained, acceptance per position is about the drafter's validation accuracy;
+    and the per-position figures add up to what the requests themselves counted."""
+    results = eval_results(tiny_run)
+    positions = results["train_serve"]["positions"]
     assert [r["position"] for r in positions] == [1, 2, 3]  # the headline k, 3 trained steps
-    assert all(r["ratio"] >= consistency["min_ratio"] for r in positions), positions
+    low = 0.9 * MEASURED_MIN_SERVED_OVER_VALIDATION
+    assert all(r["ratio"] >= low for r in positions), positions
+    # Accepted tokens per draft, summed over positions, against each request's own counts.
+    k = results["summary"]["num_speculative_tokens"]
+    samples = json.loads((tiny_run.run.run_dir / "eval" / "samples.json").read_text())
+    requests = samples[f"eagle3-k{k}-c1"].values()
+    per_draft = sum(r["accepted_tokens"] for r in requests) / sum(r["drafts"] for r in requests)
+    assert sum(r["served"] for r in positions) == pytest.approx(per_draft, abs=1e-6)
     val = read_manifest(tiny_run, "train")["outputs"]["val_metrics"]
     assert [r["validation"] for r in positions] == [val[f"full_acc_{i}_epoch"] for i in range(3)]
     assert eval_results(tiny_run)["summary"]["per_position_acceptance"] == [
