@@ -96,6 +96,9 @@ def compose_run(docker_engine, container_listeners, tiny_run, tmp_path_factory):
     data, hf = root / "data", root / "hf"
     shutil.copytree(tiny_run.run.run_dir / "verifier", data / "runs" / "tiny" / "verifier",
                     ignore=shutil.ignore_patterns("*.log"))  # fmt: skip
+    image_uid = os.getuid() or 1000  # the image's user, as make builds it (root maps to 1000)
+    for path in [data, *data.rglob("*")]:
+        os.lchown(path, image_uid, -1)
     env = {**os.environ, "DATA_DIR": str(data), "HF_CACHE": str(hf), "PROGRESS": "0"}
     responses = data / "runs" / "tiny" / "generate" / "responses.jsonl"
     facts: dict = {"root": root, "data": data, "env": env}
