@@ -73,9 +73,9 @@ def check_drafter_matches(
     }
     for key, want in served.items():
         if trained_on.get(key) != want:
-            also = " (a --chat-template in server.extra_args included)" * (
-                key == "chat_template_sha256"
-            )
+            also = ""
+            if key == "chat_template_sha256":
+                also = " (a --chat-template in server.extra_args included)"
             raise EvalError(
                 f"the drafter was trained with {key}={trained_on.get(key)!r} but the served "
                 f"verifier has {key}={want!r}{also}; retrain (`make train`) or serve the right "
