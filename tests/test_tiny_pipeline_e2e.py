@@ -502,9 +502,7 @@ def test_served_acceptance_agrees_with_validation_and_the_card_says_so(tiny_run)
     assert sum(r["served"] for r in positions) == pytest.approx(per_draft, abs=1e-6)
     val = read_manifest(tiny_run, "train")["outputs"]["val_metrics"]
     assert [r["validation"] for r in positions] == [val[f"full_acc_{i}_epoch"] for i in range(3)]
-    assert eval_results(tiny_run)["summary"]["per_position_acceptance"] == [
-        r["served"] for r in positions
-    ]
+    assert results["summary"]["per_position_acceptance"] == [r["served"] for r in positions]
     card = (tiny_run.run.run_dir / "card" / "README.md").read_text()
     assert "| position | validation | served | served / validation |" in card
 

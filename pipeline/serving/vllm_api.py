@@ -129,6 +129,11 @@ def server_args(
     return [*cmd, *s.extra_args, *extra_args]
 
 
+def chat_template_sha256(template: str) -> str:
+    """The hash a chat template is recorded and compared by (the verifier's, and a server's)."""
+    return hashlib.sha256(template.encode()).hexdigest()
+
+
 def served_chat_template_sha256(extra_args: list[str], own_sha256: str) -> str:
     """The sha256 of the chat template a server given ``extra_args`` applies: that of a
     ``--chat-template`` among them (a file, or the template itself, as vLLM takes either), else
@@ -142,8 +147,7 @@ def served_chat_template_sha256(extra_args: list[str], own_sha256: str) -> str:
     if value is None:
         return own_sha256
     path = Path(value)
-    text = path.read_text() if path.is_file() else value
-    return hashlib.sha256(text.encode()).hexdigest()
+    return chat_template_sha256(path.read_text() if path.is_file() else value)
 
 
 def server_command(profile: Profile, model: str, port: int, **kwargs: Any) -> list[str]:

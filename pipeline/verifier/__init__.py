@@ -49,11 +49,11 @@ from pipeline.core.manifest import (
 )
 from pipeline.core.model_names import looks_like_path, verifier_path
 from pipeline.core.prompts import data_revision, load_prompts
+from pipeline.serving.vllm_api import chat_template_sha256
 from pipeline.training.text_view import text_model
 from pipeline.verifier.chat_format import (
     THINK_TOKENS,
     TURN_END,
-    chat_template_sha256,
     train_tokenizer,
 )
 from pipeline.verifier.hub_snapshot import (

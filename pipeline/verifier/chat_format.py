@@ -13,8 +13,6 @@ one token; ``<think>``/``</think>`` are in the vocabulary, which the reasoning p
 
 from __future__ import annotations
 
-import hashlib
-
 BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"
 TURN_END = "<|im_end|>"  # the end of every turn: what generation stops at
 ROLE_TOKENS = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
@@ -65,10 +63,6 @@ CHAT_TEMPLATE = (
     "{%- else -%}<think>{%- endif -%}"
     "{%- endif -%}"
 )
-
-
-def chat_template_sha256(template: str) -> str:
-    return hashlib.sha256(template.encode()).hexdigest()
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
