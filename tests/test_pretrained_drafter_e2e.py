@@ -165,8 +165,8 @@ def batch_size_one(results: dict, series: str) -> dict:
 
 def test_reference_first_then_a_finetune_that_starts_where_it_was(tiny_run, published, tmp_path):
     """The hero's plan on the tiny run: measure the published drafter alone before any training
-    (from the Hub), finetune from it for a handful of steps, and measure the finetune beside it
-    and beside a fresh drafter trained for the same steps, in one eval."""
+    (from the Hub), finetune from it for a handful of steps, and measure the finetune beside a
+    fresh drafter trained for the same steps, in one eval."""
     runs, fresh_runs = tmp_path / "runs", tmp_path / "fresh"
     for out in (runs, fresh_runs):
         seed_run_dir(tiny_run, at(out), ("verifier", "generate", "licenses", "extract"))
@@ -221,36 +221,36 @@ def test_reference_first_then_a_finetune_that_starts_where_it_was(tiny_run, publ
         key = f"full_acc_{i}_epoch"
         assert outputs["val_metrics"][key] == pytest.approx(pretrained_val[key], abs=0.03), key
 
-    # 3. The finetune beside the published drafter and the fresh one, in one eval.
+    # 3. The finetune beside the fresh drafter, in one eval; the published drafter's figures are
+    # those it was measured at alone (same prompts, k and flags), not a third server start.
     fresh_drafter = trained(at(fresh_runs))
-    references = f"[{{name: published, path: {published}}}, {{name: fresh, path: {fresh_drafter}}}]"
+    references = f"[{{name: fresh, path: {fresh_drafter}}}]"
     both = run_module(
         "eval", runs, "eval.methods=[eagle3]", f"eval.reference_drafters={references}", *ARMS
     )
     assert both.returncode == 0, both.stderr[-3000:]
     results = json.loads((runs / "tiny" / "eval" / "results.json").read_text())
     length = {s: batch_size_one(results, s)["acceptance"]["mean_acceptance_length"]
-              for s in ("eagle3", "published", "fresh")}  # fmt: skip
+              for s in ("eagle3", "fresh")}  # fmt: skip
+    length["published"] = published_alone["acceptance"]["mean_acceptance_length"]
     assert results["summary"]["series"] == "eagle3"
-    assert length["published"] == pytest.approx(
-        published_alone["acceptance"]["mean_acceptance_length"], abs=0.05
-    )
     assert length["eagle3"] >= 1 + 0.9 * (length["published"] - 1), length
     assert length["fresh"] < 1.2, length  # reported as measured, not refused
     assert length["eagle3"] - length["fresh"] > 0.8 * (length["published"] - 1), length
     versus = results["summary"]["references"]
-    assert versus["published"]["headline_over_reference_acceptance_length"] == pytest.approx(
-        length["eagle3"] / length["published"]
+    assert versus["fresh"]["headline_over_reference_acceptance_length"] == pytest.approx(
+        length["eagle3"] / length["fresh"]
     )
     table = (runs / "tiny" / "eval" / "results.md").read_text()
-    assert "| published | tiny-eagle3 | eagle, converted | 3 |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| fresh |"))
+    assert "converted" not in row and "| 3 |" in row  # served as speculators wrote it
     assert str(tmp_path) not in json.dumps(results)  # published: no path of this machine
 
-    # 4. The card sets the finetune beside the published drafter, and says where it started.
+    # 4. The card sets the finetune beside the fresh drafter, and says where it started.
     card = run_module("model_card.card", runs)
     assert card.returncode == 0, card.stderr[-3000:]
     readme = (runs / "tiny" / "card" / "README.md").read_text()
-    assert "| reference drafter `published`, k=3, same prompts: mean acceptance length |" in readme
+    assert "| reference drafter `fresh`, k=3, same prompts: mean acceptance length |" in readme
     assert "| finetuned from | `tiny-eagle3` (eagle layout, converted)" in readme
 
 
