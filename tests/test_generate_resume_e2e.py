@@ -28,7 +28,7 @@ from tests.helpers import seed_run_dir, verifier_model
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
-SAMPLES = 120
+SAMPLES = 60
 
 
 def ids_in(path: Path) -> list[str]:
