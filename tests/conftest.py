@@ -1,30 +1,19 @@
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from pipeline.core.config import load_profile
 from tests.helpers import TEST_OVERRIDES, skip_unless_ci
-from tests.listener_guard import run_watched
+from tests.listener_guard import kill_tree, run_watched
 
 REPO = Path(__file__).parent.parent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords and not has_gpu:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -44,29 +33,150 @@ def docker_engine():
     client.close()
 
 
-@pytest.fixture(scope="session")
-def tiny_run_watched(tmp_path_factory):
-    """`make hero-run` on the tiny profile, once per session, its every listener watched
-    (tests/listener_guard.py); yields its profile and the guard (None for a reused run).
+# The shared tiny run's stages in the order `make hero-run` finishes them, and the fixture that
+# waits for each: a test asks for the earliest stage it reads, so it can run while the rest of
+# the run is still going.
+TINY_STAGES = {
+    "tiny_verifier": "verifier",
+    "tiny_generated": "generate",
+    "tiny_extracted": "extract",
+    "tiny_trained": "train",
+    "tiny_run": "publish",
+    "tiny_run_watched": "publish",
+}
+STAGE_ORDER = ["verifier", "generate", "licenses", "extract", "train", "eval", "card", "publish"]
+TINY_RUN_TIMEOUT_S = 2400  # 19-20 min alone on 2 cores; tests run beside it
 
-    Its time is the fixture's own (``timeout_func_only``: pytest's per-test timeout counts test
-    bodies only), bounded here, so no test is charged for it. ``TINY_RUN_DIR`` reuses a finished
-    run of the same overrides across sessions while developing; CI never sets it.
-    """
+
+class BackgroundTinyRun:
+    """`make hero-run` on the tiny profile on a thread of this session, every listener of its
+    process tree watched (tests/listener_guard.py). It starts as soon as the session's tests are
+    collected, and the tests that do not read it run first; a stage's fixture waits for that
+    stage's manifest (written last, atomically), so a test seeded with the verifier runs while
+    the drafter trains. It is stopped, its tree killed, when the session ends."""
+
+    def __init__(self, profile):
+        self.profile = profile
+        self.proc = None
+        self.result = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tiny-run", daemon=True)
+
+    def _run(self) -> None:
+        overrides = [f"run.output_dir={self.profile.run.output_dir}", *TEST_OVERRIDES]
+        try:
+            self.result = run_watched(
+                ["make", "hero-run", "CONFIG=configs/tiny.yaml", f"ARGS={' '.join(overrides)}"],
+                timeout=TINY_RUN_TIMEOUT_S,
+                started=lambda proc: setattr(self, "proc", proc),
+                cwd=REPO,
+                env={**os.environ, "PROGRESS": "0"},
+            )
+        except BaseException as err:  # noted for every fixture that waits on the run
+            self.error = err
+
+    def failure(self) -> str | None:
+        if self.error is not None:
+            return f"the shared tiny run failed: {self.error}"
+        if self.result is not None and self.result[0].returncode != 0:
+            proc = self.result[0]
+            return f"the shared tiny run failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+        return None
+
+    def wait_for(self, stage: str):
+        """The profile once ``stage`` is finished; fails with the run's output if it is not."""
+        manifest = self.profile.run.run_dir / stage / "manifest.json"
+        while not manifest.exists() and self.thread.is_alive():
+            time.sleep(1)
+        if why := self.failure():
+            pytest.fail(why, pytrace=False)
+        assert manifest.exists(), f"the shared tiny run ended without {manifest}"
+        return self.profile
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+        self.thread.join(timeout=120)
+
+
+def tiny_run_need(item) -> int:
+    """How far into the tiny run ``item`` reads: -1 for not at all."""
+    stages = [TINY_STAGES[name] for name in item.fixturenames if name in TINY_STAGES]
+    return max((STAGE_ORDER.index(stage) for stage in stages), default=-1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without a CUDA device. Whole modules run in order of the earliest
+    tiny-run stage they read (none first), each module's tests in their own order (its
+    module-scoped fixtures set up once)."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+    first_need: dict[str, int] = {}
+    for item in items:
+        need = tiny_run_need(item)
+        if need >= 0:
+            module = item.nodeid.split("::")[0]
+            first_need[module] = min(first_need.get(module, need), need)
+    items.sort(key=lambda item: first_need.get(item.nodeid.split("::")[0], -1))
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    if not any(tiny_run_need(item) >= 0 for item in session.items):
+        return
     reuse = os.environ.get("TINY_RUN_DIR")
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("runs")
+    # The session's tmp_path_factory (the fixture's own object, set up before collection).
+    out = Path(reuse) if reuse else session.config._tmp_path_factory.mktemp("runs")
     overrides = [f"run.output_dir={out}", *TEST_OVERRIDES]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
+    run = BackgroundTinyRun(profile)
+    session.config.stash[TINY_RUN] = run
     if reuse and (out / "tiny" / "publish" / "manifest.json").exists():
-        return profile, None
-    proc, guard = run_watched(
-        ["make", "hero-run", "CONFIG=configs/tiny.yaml", f"ARGS={' '.join(overrides)}"],
-        timeout=1500,
-        cwd=REPO,
-        env={**os.environ, "PROGRESS": "0"},
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return profile, guard
+        return  # a finished run of the same overrides, reused while developing; CI never sets it
+    run.thread.start()
+
+
+def pytest_sessionfinish(session):
+    if (run := session.config.stash.get(TINY_RUN, None)) is not None:
+        run.stop()
+
+
+TINY_RUN = pytest.StashKey[BackgroundTinyRun]()
+
+
+def _stage_fixture(stage: str):
+    @pytest.fixture(scope="session")
+    def wait(request):
+        return request.config.stash[TINY_RUN].wait_for(stage)
+
+    wait.__doc__ = f"The shared tiny run's profile once its {stage} stage has finished."
+    return wait
+
+
+tiny_verifier = _stage_fixture("verifier")
+tiny_generated = _stage_fixture("generate")
+tiny_extracted = _stage_fixture("extract")
+tiny_trained = _stage_fixture("train")
+
+
+@pytest.fixture(scope="session")
+def tiny_run_watched(request):
+    """The shared tiny run (``BackgroundTinyRun``) to its end: its profile and its listener
+    guard (None for a reused run). Its time is the fixtures' own (``timeout_func_only``:
+    pytest's per-test timeout counts test bodies only), bounded by ``TINY_RUN_TIMEOUT_S``."""
+    run = request.config.stash[TINY_RUN]
+    profile = run.wait_for("publish")
+    return profile, run.result[1] if run.result else None
 
 
 @pytest.fixture(scope="session")

@@ -153,11 +153,17 @@ def kill_tree(pid: int) -> None:
 
 
 def run_watched(
-    cmd: list[str], timeout: float, **popen: object
+    cmd: list[str],
+    timeout: float,
+    started: Callable[[subprocess.Popen], None] | None = None,
+    **popen: object,
 ) -> tuple[subprocess.CompletedProcess, ListenerGuard]:
     """``subprocess.run(cmd, capture_output=True, text=True)`` with its whole process tree's
-    listeners watched from start to end (the guard is returned for the caller to check)."""
+    listeners watched from start to end (the guard is returned for the caller to check);
+    ``started`` is handed the process as soon as it exists (e.g. to stop it from elsewhere)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    if started is not None:
+        started(proc)
     with ListenerGuard(lambda: [proc.pid]) as guard:
         try:
             out, err = proc.communicate(timeout=timeout)

@@ -88,13 +88,13 @@ def container_listeners(docker_engine):
 
 
 @pytest.fixture(scope="module")
-def compose_run(docker_engine, container_listeners, tiny_run, tmp_path_factory):
+def compose_run(docker_engine, container_listeners, tiny_verifier, tmp_path_factory):
     """The run killed mid-generate, then run to the end; what each step left. The verifier the
     local run built is copied in (the same recipe: the container's verifier stage reuses it, as
     any rerun does); building it again is four minutes of the same code."""
     root = tmp_path_factory.mktemp("compose")
     data, hf = root / "data", root / "hf"
-    shutil.copytree(tiny_run.run.run_dir / "verifier", data / "runs" / "tiny" / "verifier",
+    shutil.copytree(tiny_verifier.run.run_dir / "verifier", data / "runs" / "tiny" / "verifier",
                     ignore=shutil.ignore_patterns("*.log"))  # fmt: skip
     image_uid = os.getuid() or 1000  # the image's user, as make builds it (root maps to 1000)
     for path in [data, *data.rglob("*")]:

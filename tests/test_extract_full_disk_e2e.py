@@ -56,7 +56,7 @@ def shard_inodes(hs_dir: Path) -> dict[str, int]:
     return {p.name: p.stat().st_ino for p in hs_dir.glob("hs_*.safetensors")}
 
 
-def test_full_disk_stops_cleanly_and_a_rerun_resumes(tiny_run, tmp_path):
+def test_full_disk_stops_cleanly_and_a_rerun_resumes(tiny_generated, tmp_path):
     with small_volume(tmp_path / "volume", VOLUME_BYTES) as volume:
         overrides = [
             f"run.output_dir={volume}",
@@ -66,7 +66,7 @@ def test_full_disk_stops_cleanly_and_a_rerun_resumes(tiny_run, tmp_path):
             "generate.max_retries=1",
         ]
         profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
-        seed_run_dir(tiny_run, profile, ("verifier", "generate"))
+        seed_run_dir(tiny_generated, profile, ("verifier", "generate"))
         hs_dir = profile.run.run_dir / "extract" / "prepared" / "hidden_states"
 
         proc = extract(overrides)

@@ -55,7 +55,7 @@ def skipped(profile) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_bad_prompts_and_replies_are_skipped_by_policy_and_counted(tiny_run, tmp_path):
+def test_bad_prompts_and_replies_are_skipped_by_policy_and_counted(tiny_verifier, tmp_path):
     data = tmp_path / "prompts.jsonl"
     lines = [json.dumps(r).encode() for r in prompt_rows()]
     lines[3:3] = [b'{"id": "torn", "conversations": [{"from": "hu', b"", b'{"id": "\xff\xfe"}']
@@ -65,7 +65,7 @@ def test_bad_prompts_and_replies_are_skipped_by_policy_and_counted(tiny_run, tmp
     def profile_for(name: str, *overrides: str):
         p = load_profile(REPO / "configs/tiny.yaml", [f"run.output_dir={tmp_path / name}", *base,
                                                       *overrides])  # fmt: skip
-        seed_run_dir(tiny_run, p, ("verifier",))
+        seed_run_dir(tiny_verifier, p, ("verifier",))
         return p
 
     strict = profile_for("strict")

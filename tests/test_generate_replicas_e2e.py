@@ -21,10 +21,10 @@ REPO = Path(__file__).parent.parent
 SAMPLES = 32
 
 
-def test_two_replicas_share_the_prompts_and_each_is_done_once(tiny_run, tmp_path):
+def test_two_replicas_share_the_prompts_and_each_is_done_once(tiny_verifier, tmp_path):
     base = [f"run.output_dir={tmp_path}", f"data.max_samples={SAMPLES}", "generate.concurrency=4"]
     profile = load_profile(REPO / "configs/tiny.yaml", base)
-    seed_run_dir(tiny_run, profile, ("verifier",))
+    seed_run_dir(tiny_verifier, profile, ("verifier",))
     model = verifier_model(profile)
     with (
         vllm_server(profile, model, tmp_path / "a.log", use_base_url=False) as a,

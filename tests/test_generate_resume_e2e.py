@@ -70,7 +70,7 @@ def generate(overrides: list[str], base_url: str) -> subprocess.Popen:
     )
 
 
-def test_generation_resumes_exactly_once_after_the_server_is_killed(tiny_run, tmp_path):
+def test_generation_resumes_exactly_once_after_the_server_is_killed(tiny_verifier, tmp_path):
     overrides = [
         f"run.output_dir={tmp_path}",
         f"data.max_samples={SAMPLES}",
@@ -80,7 +80,7 @@ def test_generation_resumes_exactly_once_after_the_server_is_killed(tiny_run, tm
     ]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
     # The verifier built by the session's pipeline run, declared finished in this run folder.
-    seed_run_dir(tiny_run, profile, ("verifier",))
+    seed_run_dir(tiny_verifier, profile, ("verifier",))
     model = verifier_model(profile)
     responses = profile.run.run_dir / "generate" / "responses.jsonl"
 

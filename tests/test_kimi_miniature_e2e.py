@@ -47,10 +47,10 @@ def served_logprobs(profile, model: str, ids: list[int], log: Path, extra: list[
     )
 
 
-def test_the_rotary_workaround_is_still_needed_and_still_enough(tiny_run, tmp_path):
+def test_the_rotary_workaround_is_still_needed_and_still_enough(tiny_verifier, tmp_path):
     from transformers import AutoTokenizer
 
-    model = verifier_model(tiny_run)
+    model = verifier_model(tiny_verifier)
     ids = prompt_ids(AutoTokenizer.from_pretrained(model))
     reference = text_model(model, None, tmp_path / "text-view")
     with torch.no_grad():
@@ -59,10 +59,10 @@ def test_the_rotary_workaround_is_still_needed_and_still_enough(tiny_run, tmp_pa
         :, 0
     ]
 
-    with_workaround = served_logprobs(tiny_run, model, ids, tmp_path / "with.log", [])
+    with_workaround = served_logprobs(tiny_verifier, model, ids, tmp_path / "with.log", [])
     gap = (with_workaround - expected).abs().max().item()
     assert gap < AGREE, f"with the rotary workaround vLLM is {gap:.3g} nats off transformers"
-    without = served_logprobs(tiny_run, model, ids, tmp_path / "without.log", ALL_CUSTOM_OPS)
+    without = served_logprobs(tiny_verifier, model, ids, tmp_path / "without.log", ALL_CUSTOM_OPS)
     gap = (without - expected).abs().max().item()
     assert gap > DISAGREE, (
         f"vLLM's rotary op now agrees with transformers ({gap:.3g} nats) on MLA: drop the "

@@ -26,7 +26,7 @@ def stage(name: str, overrides: list[str]) -> subprocess.CompletedProcess:
     return run_stage(f"pipeline.{name}", *overrides, timeout=900)
 
 
-def test_online_fp8_training_stores_no_hidden_states(tiny_run, tmp_path):
+def test_online_fp8_training_stores_no_hidden_states(tiny_generated, tmp_path):
     overrides = [
         f"run.output_dir={tmp_path}",
         "extract.mode=online",
@@ -36,7 +36,7 @@ def test_online_fp8_training_stores_no_hidden_states(tiny_run, tmp_path):
         f'train.extra_args=["--max-steps", "{STEPS}"]',
     ]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
-    seed_run_dir(tiny_run, profile, ("verifier", "generate"))
+    seed_run_dir(tiny_generated, profile, ("verifier", "generate"))
 
     extracted = stage("extract", overrides)
     assert extracted.returncode == 0, extracted.stderr

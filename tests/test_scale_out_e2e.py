@@ -132,13 +132,13 @@ def responses(run_dir: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def shared_server(tiny_run, tmp_path_factory):
+def shared_server(tiny_verifier, tmp_path_factory):
     """One tiny vLLM server that every "node" of the module's runs generates against, and the
     one-box run's greedy replies on it: (replica_urls override, one-box profile)."""
     folder = tmp_path_factory.mktemp("one-box")
     one_box = [f"run.output_dir={folder}", *COMMON]
     profile = load_profile(REPO / "configs/tiny.yaml", one_box)
-    seed_run_dir(tiny_run, profile, ("verifier",))
+    seed_run_dir(tiny_verifier, profile, ("verifier",))
     with vllm_server(
         profile, verifier_model(profile), folder / "shared-vllm.log", use_base_url=False
     ) as server:
@@ -148,10 +148,10 @@ def shared_server(tiny_run, tmp_path_factory):
         yield replicas, profile
 
 
-def sharded_profile(tiny_run, folder: Path) -> tuple[list[str], Profile]:
+def sharded_profile(tiny_verifier, folder: Path) -> tuple[list[str], Profile]:
     args = [f"run.output_dir={folder}", *COMMON]
     profile = load_profile(REPO / "configs/tiny.yaml", args)
-    seed_run_dir(tiny_run, profile, ("verifier",))
+    seed_run_dir(tiny_verifier, profile, ("verifier",))
     return args, profile
 
 
@@ -168,11 +168,11 @@ def check_merged_generate(one_box: Profile, sharded: Profile) -> None:
 
 
 def test_shards_over_two_ray_nodes_one_lost_merge_exactly(
-    tiny_run, tmp_path, shared_server, ray_cluster
+    tiny_verifier, tmp_path, shared_server, ray_cluster
 ):
     cluster, worker = ray_cluster
     replicas, one_box = shared_server
-    sharded, profile = sharded_profile(tiny_run, tmp_path)
+    sharded, profile = sharded_profile(tiny_verifier, tmp_path)
     sharded_run = profile.run.run_dir
     started = time.monotonic()
     with ListenerGuard(lambda: [os.getpid()]) as guard:
@@ -231,7 +231,9 @@ def test_shards_over_two_ray_nodes_one_lost_merge_exactly(
     )
 
 
-def test_the_slurm_array_runs_each_shard_and_the_merge_is_exact(tiny_run, tmp_path, shared_server):
+def test_the_slurm_array_runs_each_shard_and_the_merge_is_exact(
+    tiny_verifier, tmp_path, shared_server
+):
     """configs/scale-out/shards.sbatch as an array of 2 on a one-host Slurm cluster (its
     daemons on 127.0.0.1 alone): SLURM_ARRAY_TASK_ID is the shard, each task `make generate`
     for its shard against the shared server; merged, it is the one-box run."""
@@ -239,7 +241,7 @@ def test_the_slurm_array_runs_each_shard_and_the_merge_is_exact(tiny_run, tmp_pa
         tools = ", ".join(missing)
         skip_unless_ci(f"Slurm is not installed here ({tools}): run `make scale-out-tools`")
     replicas, one_box = shared_server
-    sharded, profile = sharded_profile(tiny_run, tmp_path / "runs")
+    sharded, profile = sharded_profile(tiny_verifier, tmp_path / "runs")
     script = REPO / "configs" / "scale-out" / "shards.sbatch"
     with (
         ListenerGuard(lambda: [os.getpid()]) as guard,

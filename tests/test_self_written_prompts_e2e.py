@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
 
 
-def test_the_verifier_writes_prompts_that_are_answered_licensed_and_reused(tiny_run, tmp_path):
+def test_the_verifier_writes_prompts_that_are_answered_licensed_and_reused(tiny_verifier, tmp_path):
     overrides = [
         f"run.output_dir={tmp_path}",
         *TEST_OVERRIDES,
@@ -33,7 +33,7 @@ def test_the_verifier_writes_prompts_that_are_answered_licensed_and_reused(tiny_
         "generate.max_tokens=96",
     ]
     profile = load_profile(REPO / "configs/tiny.yaml", overrides)
-    seed_run_dir(tiny_run, profile, ("verifier",))
+    seed_run_dir(tiny_verifier, profile, ("verifier",))
     first = run_stage("pipeline.generate", *overrides)
     assert first.returncode == 0, first.stderr[-3000:]
 

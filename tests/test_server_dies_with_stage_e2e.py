@@ -45,7 +45,7 @@ def start_generate(overrides: list[str]) -> subprocess.Popen:
     )
 
 
-def seeded_run(tiny_run, tmp_path: Path) -> tuple[list[str], Path]:
+def seeded_run(tiny_verifier, tmp_path: Path) -> tuple[list[str], Path]:
     """Overrides of a run folder whose verifier is the session's; its responses file."""
     overrides = [
         f"run.output_dir={tmp_path}",
@@ -55,7 +55,7 @@ def seeded_run(tiny_run, tmp_path: Path) -> tuple[list[str], Path]:
         "server.startup_timeout_s=300",
     ]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
-    seed_run_dir(tiny_run, profile, ("verifier",))
+    seed_run_dir(tiny_verifier, profile, ("verifier",))
     return overrides, profile.run.run_dir
 
 
@@ -76,8 +76,8 @@ def server_mid_run(proc: subprocess.Popen, run_dir: Path) -> list[psutil.Process
     return list(procs.values())
 
 
-def test_sigkill_of_the_stage_takes_its_server_down_and_the_rerun_resumes(tiny_run, tmp_path):
-    overrides, run_dir = seeded_run(tiny_run, tmp_path)
+def test_sigkill_of_the_stage_takes_its_server_down_and_the_rerun_resumes(tiny_verifier, tmp_path):
+    overrides, run_dir = seeded_run(tiny_verifier, tmp_path)
     proc = start_generate(overrides)
     server = server_mid_run(proc, run_dir)
     proc.kill()
@@ -95,8 +95,8 @@ def test_sigkill_of_the_stage_takes_its_server_down_and_the_rerun_resumes(tiny_r
     assert list((run_dir / SERVERS).glob("*.json")) == []  # the dead stage's record is gone
 
 
-def test_ctrl_c_of_the_stage_stops_its_server_and_says_so_in_one_line(tiny_run, tmp_path):
-    overrides, run_dir = seeded_run(tiny_run, tmp_path)
+def test_ctrl_c_of_the_stage_stops_its_server_and_says_so_in_one_line(tiny_verifier, tmp_path):
+    overrides, run_dir = seeded_run(tiny_verifier, tmp_path)
     proc = start_generate(overrides)
     server = server_mid_run(proc, run_dir)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground stage

@@ -78,11 +78,11 @@ async def run_against(status: int, module: str, overrides: list[str]) -> tuple[i
 
 @pytest.mark.parametrize("status", [400, 500])
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_a_refusing_server_ends_the_stage_in_one_line(tiny_run, tmp_path, stage, status):
+def test_a_refusing_server_ends_the_stage_in_one_line(tiny_trained, tmp_path, stage, status):
     module, seeded, names = STAGES[stage]
     overrides = [f"run.output_dir={tmp_path}", *TEST_OVERRIDES, *BOUNDED]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
-    seed_run_dir(tiny_run, profile, seeded)
+    seed_run_dir(tiny_trained, profile, seeded)
     if stage == "extract":  # one conversation: speculators retries each render 3 times, slowly
         responses = profile.run.run_dir / "generate" / "responses.jsonl"
         lines = responses.read_text().splitlines(keepends=True)

@@ -115,7 +115,7 @@ def test_fsdp_with_one_rank_is_refused_with_the_fix():
 
 
 @pytest.mark.e2e
-def test_training_two_cpu_ranks_listens_on_loopback_alone(tiny_run, tmp_path):
+def test_training_two_cpu_ranks_listens_on_loopback_alone(tiny_extracted, tmp_path):
     overrides = [
         f"run.output_dir={tmp_path}",
         *TEST_OVERRIDES,
@@ -123,7 +123,7 @@ def test_training_two_cpu_ranks_listens_on_loopback_alone(tiny_run, tmp_path):
         "train.epochs=1",
     ]
     profile = load_profile(REPO / "configs/tiny.yaml", overrides)
-    seed_run_dir(tiny_run, profile, ("verifier", "generate", "extract"))
+    seed_run_dir(tiny_extracted, profile, ("verifier", "generate", "extract"))
     proc, guard = run_watched(
         stage_command("pipeline.train", *overrides), timeout=600, cwd=REPO,
         env=stage_env({"TMPDIR": str(tmp_path)}),
