@@ -176,6 +176,9 @@ def tiny_run_watched(request):
     pytest's per-test timeout counts test bodies only), bounded by ``TINY_RUN_TIMEOUT_S``."""
     run = request.config.stash[TINY_RUN]
     profile = run.wait_for("publish")
+    run.thread.join()  # the manifest is written before make exits and the guard is handed back
+    if why := run.failure():
+        pytest.fail(why, pytrace=False)
     return profile, run.result[1] if run.result else None
 
 
