@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import load_profile
+from pipeline.core.contracts import STAGES
 from tests.helpers import TEST_OVERRIDES, skip_unless_ci
 from tests.listener_guard import kill_tree, run_watched
 
@@ -33,9 +34,8 @@ def docker_engine():
     client.close()
 
 
-# The shared tiny run's stages in the order `make hero-run` finishes them, and the fixture that
-# waits for each: a test asks for the earliest stage it reads, so it can run while the rest of
-# the run is still going.
+# The fixture that waits for each stage of the shared tiny run (STAGES: pipeline order): a test
+# asks for the earliest stage it reads, so it can run while the rest of the run is still going.
 TINY_STAGES = {
     "tiny_verifier": "verifier",
     "tiny_generated": "generate",
@@ -44,7 +44,6 @@ TINY_STAGES = {
     "tiny_run": "publish",
     "tiny_run_watched": "publish",
 }
-STAGE_ORDER = ["verifier", "generate", "licenses", "extract", "train", "eval", "card", "publish"]
 TINY_RUN_TIMEOUT_S = 2400  # 19-20 min alone on 2 cores; tests run beside it
 
 
@@ -55,18 +54,19 @@ class BackgroundTinyRun:
     stage's manifest (written last, atomically), so a test seeded with the verifier runs while
     the drafter trains. It is stopped, its tree killed, when the session ends."""
 
-    def __init__(self, profile):
+    def __init__(self, profile, overrides: list[str]):
         self.profile = profile
+        self.overrides = overrides
         self.proc = None
         self.result = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="tiny-run", daemon=True)
 
     def _run(self) -> None:
-        overrides = [f"run.output_dir={self.profile.run.output_dir}", *TEST_OVERRIDES]
+        args = " ".join(self.overrides)
         try:
             self.result = run_watched(
-                ["make", "hero-run", "CONFIG=configs/tiny.yaml", f"ARGS={' '.join(overrides)}"],
+                ["make", "hero-run", "CONFIG=configs/tiny.yaml", f"ARGS={args}"],
                 timeout=TINY_RUN_TIMEOUT_S,
                 started=lambda proc: setattr(self, "proc", proc),
                 cwd=REPO,
@@ -93,16 +93,21 @@ class BackgroundTinyRun:
         assert manifest.exists(), f"the shared tiny run ended without {manifest}"
         return self.profile
 
+    def join(self, timeout: float | None = None) -> None:
+        """Until the run has ended (at once for a reused run, which never starts)."""
+        if self.thread.ident is not None:
+            self.thread.join(timeout)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             kill_tree(self.proc.pid)
-        self.thread.join(timeout=120)
+        self.join(timeout=120)
 
 
 def tiny_run_need(item) -> int:
     """How far into the tiny run ``item`` reads: -1 for not at all."""
     stages = [TINY_STAGES[name] for name in item.fixturenames if name in TINY_STAGES]
-    return max((STAGE_ORDER.index(stage) for stage in stages), default=-1)
+    return max((STAGES.index(stage) for stage in stages), default=-1)
 
 
 @pytest.hookimpl(trylast=True)
@@ -139,7 +144,7 @@ def pytest_collection_finish(session):
     out = Path(reuse) if reuse else session.config._tmp_path_factory.mktemp("runs")
     overrides = [f"run.output_dir={out}", *TEST_OVERRIDES]
     profile = load_profile(REPO / "configs" / "tiny.yaml", overrides)
-    run = BackgroundTinyRun(profile)
+    run = BackgroundTinyRun(profile, overrides)
     session.config.stash[TINY_RUN] = run
     if reuse and (out / "tiny" / "publish" / "manifest.json").exists():
         return  # a finished run of the same overrides, reused while developing; CI never sets it
@@ -175,11 +180,8 @@ def tiny_run_watched(request):
     guard (None for a reused run). Its time is the fixtures' own (``timeout_func_only``:
     pytest's per-test timeout counts test bodies only), bounded by ``TINY_RUN_TIMEOUT_S``."""
     run = request.config.stash[TINY_RUN]
-    profile = run.wait_for("publish")
-    run.thread.join()  # the manifest is written before make exits and the guard is handed back
-    if why := run.failure():
-        pytest.fail(why, pytrace=False)
-    return profile, run.result[1] if run.result else None
+    run.join()  # publish's manifest is written before make exits and the guard is handed back
+    return run.wait_for("publish"), run.result[1] if run.result else None
 
 
 @pytest.fixture(scope="session")
